@@ -1,0 +1,1 @@
+"""See mars/__init__.py for the layout."""
