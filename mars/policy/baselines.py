@@ -1,0 +1,411 @@
+"""The paper's baselines (§6.2), as policies behind the same contracts as MARS.
+
+Each class reimplements the published *rule* on the information a CallView / PinCandidate /
+KvPressure carries, so every system runs inside the same modified vLLM with the same batch
+limits (the paper's fairness condition). Where a paper leaves a detail open, the class
+docstring says what was chosen.
+
+* :class:`AutellixPLAS` -- Autellix (Luo et al., arXiv 2502.13965): program-level
+  least-attained-service ordering.
+* :class:`InferceptRetention` -- InferCept (Abhyankar et al., ICML 2024): min-waste
+  preserve-vs-discard at each tool boundary.
+* :class:`ContinuumRetention` -- Continuum (Li et al., arXiv 2511.02230), fixed TTL.
+* :class:`ContinuumDyRetention` -- Continuum's dynamic TTL heuristic.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+
+from mars.policy.base import CallView, KvPressure, PinCandidate
+from mars.policy.retention import PrefillRate, ToolDurationModel
+
+# ====================================================================== Autellix PLAS
+
+
+@dataclass(frozen=True, slots=True)
+class PLASConfig:
+    """Autellix PLAS knobs. Autellix measures attained service in time; we count tokens (the
+    quantity our engine reports per step) for the queue position and keep seconds for the
+    starvation ratio, which compares two times."""
+
+    #: number of discretised queues K (queue 0 is served first)
+    num_queues: int = 8
+    #: service quantum of queue 0 in tokens; queue i has quantum_tokens * quantum_growth**i
+    quantum_tokens: int = 4096
+    quantum_growth: float = 2.0
+    #: anti-starvation: a program whose waiting time / service time >= beta goes to queue 0
+    beta: float = 4.0
+    #: service time floor in the ratio, seconds (a program never served has ratio W/this)
+    min_service_s: float = 0.05
+    #: a step is credited as the time since the previous step, capped here (idle gaps are not
+    #: service) and defaulting to default_step_s for the first step
+    max_step_s: float = 0.5
+    default_step_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.num_queues < 1 or self.quantum_tokens < 1 or self.quantum_growth < 1:
+            raise ValueError("num_queues >= 1, quantum_tokens >= 1, quantum_growth >= 1")
+        if self.beta <= 0:
+            raise ValueError("beta must be > 0")
+
+
+class _Program:
+    __slots__ = ("service_tokens", "service_s", "wait_done_s", "live")
+
+    def __init__(self) -> None:
+        self.service_tokens = 0
+        self.service_s = 0.0
+        self.wait_done_s = 0.0
+        self.live = 0
+
+
+class _PlasCall:
+    __slots__ = ("program", "arrival", "service_s")
+
+    def __init__(self, program: str, arrival: float) -> None:
+        self.program = program
+        self.arrival = arrival
+        self.service_s = 0.0
+
+
+class AutellixPLAS:
+    """Program-level least-attained-service (``--policy autellix``).
+
+    A call's queue is decided by the attained service of its whole *program* (the agent
+    session, ``session_id``): the tokens computed for all its calls so far, across rounds,
+    kept after a round finishes. Queue ``i`` holds programs whose service lies between the
+    sums of the first ``i`` and ``i+1`` quanta, so a program is demoted each time it uses up
+    a queue's quantum; calls are FCFS (call arrival) inside a queue.
+
+    Anti-starvation (Autellix §4): a call is placed in queue 0 while its program's
+    ``W / T >= beta``, where ``W`` is the program's total waiting time (time its calls spent
+    in the engine without being scheduled: finished calls plus the current one) and ``T`` its
+    total service time (wall time of the engine steps in which its calls had tokens
+    scheduled). The boost therefore lasts until the program's service catches up with its
+    waiting, with no separate reset rule.
+
+    Choices where the paper is open: service counted in tokens for the queues (the engine's
+    unit), the step-time estimate of ``T`` (see :class:`PLASConfig`), and a call without a
+    session being its own one-call program.
+    """
+
+    name = "autellix"
+
+    def __init__(self, config: PLASConfig | None = None) -> None:
+        self.config = cfg = config or PLASConfig()
+        acc, bounds = 0.0, []
+        for i in range(cfg.num_queues - 1):
+            acc += cfg.quantum_tokens * cfg.quantum_growth**i
+            bounds.append(acc)
+        #: queue i holds service in [bounds[i-1], bounds[i])
+        self._bounds = tuple(bounds)
+        self._programs: dict[str, _Program] = {}
+        self._calls: dict[str, _PlasCall] = {}
+        self._last_step: float | None = None
+        self._step_dt = cfg.default_step_s
+
+    def queue_of_service(self, service_tokens: int) -> int:
+        return bisect_right(self._bounds, service_tokens)
+
+    def program_service(self, session_id: str) -> int:
+        prog = self._programs.get(session_id)
+        return prog.service_tokens if prog is not None else 0
+
+    def starvation_ratio(self, call: CallView, now: float) -> float:
+        pid = call.session_id or call.request_id
+        prog = self._programs.get(pid)
+        st = self._calls.get(call.request_id)
+        cur_wait = now - call.arrival_time - (st.service_s if st is not None else 0.0)
+        w = (prog.wait_done_s if prog is not None else 0.0) + max(0.0, cur_wait)
+        t = prog.service_s if prog is not None else 0.0
+        return w / max(t, self.config.min_service_s)
+
+    def key(self, call: CallView, now: float) -> tuple:
+        pid = call.session_id or call.request_id
+        prog = self._programs.get(pid)
+        if prog is None or prog.service_tokens == 0:
+            return (0, call.arrival_time)
+        q = bisect_right(self._bounds, prog.service_tokens)
+        if q and self.starvation_ratio(call, now) >= self.config.beta:
+            q = 0
+        return (q, call.arrival_time)
+
+    def on_scheduled(self, call: CallView, tokens: int, now: float) -> None:
+        if tokens <= 0:
+            return
+        cfg = self.config
+        if self._last_step is None:
+            self._last_step = now
+        elif now > self._last_step:
+            self._step_dt = min(now - self._last_step, cfg.max_step_s)
+            self._last_step = now
+        pid = call.session_id or call.request_id
+        prog = self._programs.get(pid)
+        if prog is None:
+            prog = self._programs[pid] = _Program()
+        st = self._calls.get(call.request_id)
+        if st is None:
+            st = self._calls[call.request_id] = _PlasCall(pid, call.arrival_time)
+            prog.live += 1
+        prog.service_tokens += tokens
+        prog.service_s += self._step_dt
+        st.service_s += self._step_dt
+
+    def on_finished(self, request_id: str, session_id: str | None, now: float) -> None:
+        st = self._calls.pop(request_id, None)
+        if st is None:
+            return
+        prog = self._programs.get(st.program)
+        if prog is None:
+            return
+        prog.wait_done_s += max(0.0, now - st.arrival - st.service_s)
+        prog.live -= 1
+        if session_id is None and prog.live <= 0:
+            # a session-less call is its own program; nothing will resume it
+            self._programs.pop(st.program, None)
+
+    def forget_session(self, session_id: str) -> None:
+        """The session ended for good; drop its attained service."""
+        self._programs.pop(session_id, None)
+
+
+# ====================================================================== one-shot retention
+
+
+class _OneShotRetention:
+    """Retention decided once at admit; ``keep`` only checks the pin has not expired."""
+
+    name = "oneshot"
+
+    def __init__(self, durations: ToolDurationModel, prefill: PrefillRate) -> None:
+        self.durations = durations
+        self.prefill = prefill
+        #: session -> time the pin expires (started + tau)
+        self._deadline: dict[str, float] = {}
+
+    def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        raise NotImplementedError
+
+    def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        if len(self._deadline) > 256:
+            # entries of pins the adapter released early (next round, pressure) without telling
+            for sid in [s for s, d in self._deadline.items() if d <= now]:
+                del self._deadline[sid]
+        tau = max(0.0, float(self.decide(cand, kv, now))) if cand.blocks > 0 else 0.0
+        if tau > 0:
+            self._deadline[cand.session_id] = cand.started + tau
+        else:
+            self._deadline.pop(cand.session_id, None)
+        return tau
+
+    def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool:
+        deadline = self._deadline.get(cand.session_id)
+        if deadline is None:
+            return False
+        if now < deadline:
+            return True
+        self._deadline.pop(cand.session_id, None)
+        return False
+
+    def observe_tool(self, tool: str | None, duration_s: float) -> None:
+        self.durations.observe(tool, duration_s)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill.observe(tokens, seconds)
+
+    def forget(self, session_id: str) -> None:
+        self._deadline.pop(session_id, None)
+
+
+# ---------------------------------------------------------------------- InferCept
+
+
+@dataclass(frozen=True, slots=True)
+class InferceptConfig:
+    prefill_tokens_per_s: float = 10_000.0
+    prefill_ema_alpha: float = 0.2
+    #: cap on the break-even pin (InferCept has none; inf reproduces it)
+    max_tau_s: float = math.inf
+    #: expected duration of a tool never seen, when no tool has been seen either
+    prior_mean_s: float = 5.0
+    max_samples: int = 512
+
+
+class InferceptRetention(_OneShotRetention):
+    """InferCept's min-waste rule (``--policy infercept``), decided once per tool call.
+
+    Waste is memory x time. Preserving holds the context's ``B`` blocks for the tool's
+    duration: ``W_preserve = B * E[D]``. Discarding means recomputing the context on return,
+    which takes ``R = context_tokens / prefill rate`` during which the context's blocks *and*
+    the co-running batch's blocks ``B_batch`` are tied up: ``W_discard = R * (B + B_batch)``.
+    Preserve iff ``W_preserve <= W_discard`` i.e. ``E[D] <= tau_be`` with the break-even
+    retention time ``tau_be = W_discard / B = R * (B + B_batch) / B``; pin for ``tau_be``.
+
+    ``E[D]`` is the running mean of the tool's observed durations (all tools' if the tool was
+    never seen, ``prior_mean_s`` if nothing was). ``B_batch = total - free - pinned - B``
+    (the candidate's blocks are still held at admit). InferCept's third option, swapping to
+    host memory, is not modelled: our engine has no swap path.
+    """
+
+    name = "infercept"
+
+    def __init__(self, config: InferceptConfig | None = None,
+                 durations: ToolDurationModel | None = None) -> None:
+        self.config = cfg = config or InferceptConfig()
+        super().__init__(durations or ToolDurationModel(cfg.max_samples, 1, cfg.prior_mean_s),
+                         PrefillRate(cfg.prefill_tokens_per_s, cfg.prefill_ema_alpha))
+
+    def break_even_s(self, cand: PinCandidate, kv: KvPressure) -> float:
+        own = max(1, cand.blocks)
+        batch = max(0, kv.total_blocks - kv.free_blocks - kv.pinned_blocks - cand.blocks)
+        return self.prefill.recompute_s(cand.context_tokens) * (own + batch) / own
+
+    def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        tau_be = self.break_even_s(cand, kv)
+        expected = self.durations.mean(cand.tool, min_samples=1)
+        if expected <= tau_be:
+            return min(tau_be, self.config.max_tau_s)
+        return 0.0
+
+
+# ---------------------------------------------------------------------- Continuum
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuumConfig:
+    ttl_s: float = 2.0
+    #: pin only tools whose running mean duration is <= this
+    threshold_s: float = 2.0
+    #: pin when nothing at all has been observed yet (Continuum pins by default)
+    pin_unknown: bool = True
+    max_samples: int = 512
+
+
+class ContinuumRetention(_OneShotRetention):
+    """Continuum with a fixed time-to-live (``--policy continuum``), as the MARS paper ran it.
+
+    Pin for ``ttl_s`` when the tool's running mean duration is <= ``threshold_s``, else do not
+    pin. A tool never seen is judged by the all-tool mean; before any tool has returned the
+    round is pinned (``pin_unknown``), matching Continuum's pin-by-default behaviour. Release
+    at TTL expiry (``keep``), on the next round or under memory pressure (the adapter).
+    """
+
+    name = "continuum"
+
+    def __init__(self, config: ContinuumConfig | None = None,
+                 durations: ToolDurationModel | None = None) -> None:
+        self.config = cfg = config or ContinuumConfig()
+        super().__init__(durations or ToolDurationModel(cfg.max_samples, 1),
+                         PrefillRate(10_000.0))
+
+    def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        cfg = self.config
+        if self.durations.count(None) == 0:
+            return cfg.ttl_s if cfg.pin_unknown else 0.0
+        return cfg.ttl_s if self.durations.mean(cand.tool, min_samples=1) <= cfg.threshold_s \
+            else 0.0
+
+
+# ---------------------------------------------------------------------- Continuum-Dy
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuumDyConfig:
+    #: S, the candidate TTLs besides 0
+    tau_grid_s: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+    #: TTL while fewer than min_samples tool durations (all tools) have been seen
+    default_ttl_s: float = 2.0
+    #: samples needed to trust a CDF (per tool; all tools for leaving the cold start)
+    min_samples: int = 100
+    max_samples: int = 512
+    prefill_tokens_per_s: float = 10_000.0
+    prefill_ema_alpha: float = 0.2
+    #: eta before two distinct (done, left) pairs exist
+    default_eta: float = 1.0
+    #: T-bar before any post-eviction queueing delay was observed
+    default_queue_delay_s: float = 0.0
+    queue_delay_samples: int = 512
+
+
+class ContinuumDyRetention(_OneShotRetention):
+    """Continuum's dynamic TTL (``--policy continuum_dy``), decided once at admit::
+
+        tau* = argmax_{tau in {0} U S}  P(D_f <= tau) * (T_bar * eta + reload(r)) - tau
+
+    ``P`` is the empirical CDF of tool ``f``'s durations (the all-tool CDF while ``f`` has
+    fewer than ``min_samples``); ``T_bar`` the mean queueing delay a call suffered after its
+    KV was evicted (``observe_queue_delay``); ``reload(r)`` the recompute time of the context
+    (``context_tokens / prefill rate``); ``eta = -corr(turns done, turns left)`` over the
+    (done, left) pairs ``(d, T-d), d = 1..T`` of every finished session of ``T`` turns
+    (``observe_session``), clamped to [0, 1] (a positive correlation would mean "more done,
+    more left", which gives no reason to pin). With fewer than ``min_samples`` durations in
+    all, the TTL is ``default_ttl_s``. The cost term is ``tau`` itself, in seconds, as in the
+    published heuristic; ties go to the shorter TTL.
+    """
+
+    name = "continuum_dy"
+
+    def __init__(self, config: ContinuumDyConfig | None = None,
+                 durations: ToolDurationModel | None = None) -> None:
+        self.config = cfg = config or ContinuumDyConfig()
+        super().__init__(durations or ToolDurationModel(cfg.max_samples, cfg.min_samples),
+                         PrefillRate(cfg.prefill_tokens_per_s, cfg.prefill_ema_alpha))
+        self._queue_delays: deque[float] = deque(maxlen=cfg.queue_delay_samples)
+        # running sums for the Pearson correlation of (done, left)
+        self._n = 0
+        self._sd = self._sl = self._sdd = self._sll = self._sdl = 0.0
+
+    # ------------------------------------------------------------------ feeding
+    def observe_queue_delay(self, seconds: float) -> None:
+        if seconds is not None and math.isfinite(seconds) and seconds >= 0:
+            self._queue_delays.append(float(seconds))
+
+    def observe_session(self, total_turns: int) -> None:
+        t = int(total_turns)
+        for d in range(1, t + 1):
+            left = t - d
+            self._n += 1
+            self._sd += d
+            self._sl += left
+            self._sdd += d * d
+            self._sll += left * left
+            self._sdl += d * left
+
+    # ------------------------------------------------------------------ estimates
+    @property
+    def eta(self) -> float:
+        n = self._n
+        if n < 2:
+            return self.config.default_eta
+        cov = self._sdl - self._sd * self._sl / n
+        vd = self._sdd - self._sd * self._sd / n
+        vl = self._sll - self._sl * self._sl / n
+        if vd <= 1e-12 or vl <= 1e-12:
+            return self.config.default_eta
+        corr = cov / math.sqrt(vd * vl)
+        return min(1.0, max(0.0, -corr))
+
+    @property
+    def mean_queue_delay_s(self) -> float:
+        q = self._queue_delays
+        return sum(q) / len(q) if q else self.config.default_queue_delay_s
+
+    def value_s(self, cand: PinCandidate) -> float:
+        """What a warm resume is worth: ``T_bar * eta + reload(r)``."""
+        return self.mean_queue_delay_s * self.eta + self.prefill.recompute_s(cand.context_tokens)
+
+    def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        cfg = self.config
+        if self.durations.count(None) < cfg.min_samples:
+            return cfg.default_ttl_s
+        value = self.value_s(cand)
+        best_tau, best = 0.0, 0.0  # tau = 0 scores exactly 0
+        for tau in sorted(cfg.tau_grid_s):
+            score = self.durations.prob_within(cand.tool, tau, cfg.min_samples) * value - tau
+            if score > best:
+                best_tau, best = tau, score
+        return best_tau

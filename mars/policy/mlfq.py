@@ -1,0 +1,249 @@
+"""MARS's Priority-Aware Coordinator: a windowed multi-level feedback queue (paper §4.3).
+
+A call's level is a compact summary of three things (the paper's "priority grammar"):
+
+* **initial KV footprint** -- the *base level* grows with ``log2`` of the prompt length, so a
+  short continuation starts above a repository-scale prefill and is never stuck behind it;
+* **service received** -- tokens the call was scheduled in the last ``window_s`` seconds are
+  charged against per-level token quotas; each exhausted quota demotes it one level, so a call
+  that keeps consuming the GPU sinks below interactive work;
+* **waiting time** -- a call that has not been served for ``promote_after_s`` rises one level
+  per period, which bounds how long anything can be starved.
+
+The level is a pure function of the call's view, its windowed service and ``now``; nothing is
+stepped by a timer, so ``key`` is idempotent for a given ``now`` and the adapter may call it
+as often as it likes. Level 0 is the highest priority.
+
+Definitions (what ``docs/policies.md`` states; tests pin them down):
+
+``base(p) = min(L-1, ceil(log2(p / base_tokens)))`` for ``p > base_tokens`` else 0, where ``p``
+is the prompt length (optionally minus prefix-cache hits, see ``discount_cached``). Level ``b``
+therefore holds prompts in ``(base_tokens * 2**(b-1), base_tokens * 2**b]``.
+
+``q(l) = quota_tokens * quota_growth**l`` is the quota of level ``l``. A call with base ``b``
+and windowed service ``S`` is demoted ``d`` levels where ``d`` is the number of consecutive
+quotas ``q(b), q(b+1), ...`` whose running sum is ``<= S``. ``natural = min(L-1, b + d)``.
+
+*Windowed* service ``S(now)``: the tokens the call was scheduled (``on_scheduled``'s
+``tokens``) during the last ``window_s`` seconds. Service is recorded in ``window_buckets``
+buckets of width ``w = window_s / window_buckets`` (bucket ``k`` holds service at times in
+``[k*w, (k+1)*w)``); a bucket leaves the window once its end is ``<= now - window_s``. So a
+token counts for at least ``window_s`` and less than ``window_s + w`` seconds after it was
+served. The window is what lets a demoted call recover: demotion reflects *recent*
+consumption, not lifetime consumption, so a call that yielded the GPU for a window is judged
+afresh.
+
+Promotion: ``promo = floor((now - last_served) / promote_after_s)`` and
+``level = max(0, natural - promo)``. ``last_served`` is the CallView field (arrival time for a
+call never served). Promotion stops as soon as the call is served again.
+
+**Promotion bound**: ``natural <= L-1``, so any call that has gone ``(L-1) * promote_after_s``
+seconds without service is at level 0 (:attr:`WindowedMLFQ.promotion_bound_s`). Within a
+level, a call with more elapsed promotion periods is ordered first, so a starved call at level
+0 precedes every level-0 call that has waited fewer periods (in particular all freshly arrived
+small calls). Hence, whenever the calls that have starved at least as long fit in one step's
+budget, no call goes longer than ``promotion_bound_s`` plus one step between two services.
+
+Sort key (ascending; front is served first, back is preempted first):
+``(level, -promo, num_blocks, arrival_time)``. Running calls are served every step so their
+``promo`` is 0, and the back of the running list is therefore the lowest level and, within it,
+the largest KV footprint -- the paper's eviction rule ("lower-priority calls are primary
+eviction candidates; among them, larger KV footprints are preferred because they release more
+memory"). Among otherwise equal calls the earlier arrival goes first.
+
+Session continuity: all state is per request id. A later round of a session is a new call,
+judged by its own prompt and its own service, never by what earlier rounds consumed (contrast
+Autellix's program-level attained service in :mod:`mars.policy.baselines`).
+
+Cached tokens: ``on_scheduled``'s ``tokens`` must be the tokens the engine computed this step
+(vLLM's ``num_scheduled_tokens``), which excludes prefix-cache hits, so a call is never
+charged for KV it found already computed.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+
+from mars.policy.base import CallView
+
+
+@dataclass(frozen=True, slots=True)
+class MLFQConfig:
+    """Knobs of the windowed MLFQ. Defaults are chosen to separate both the GPU regime (prompts
+    6K-260K tokens land on levels 3-8) and a tiny CPU model (100-16K tokens on levels 0-4)."""
+
+    #: number of levels L; level 0 is the highest priority
+    num_levels: int = 10
+    #: prompts up to this length start at level 0; each further doubling is one level lower
+    base_tokens: int = 1024
+    #: quota of level 0 in service tokens; level l has ``quota_tokens * quota_growth**l``, so a
+    #: call's quota at its base level is at least its own prompt (its prefill alone never
+    #: demotes it; what it consumes beyond its size class does)
+    quota_tokens: int = 1024
+    quota_growth: float = 2.0
+    #: length of the sliding service window, seconds
+    window_s: float = 30.0
+    #: resolution of the window (service older than window_s is dropped bucket by bucket)
+    window_buckets: int = 16
+    #: a call not served for this long rises one level per such period (<= 0 or inf: never)
+    promote_after_s: float = 4.0
+    #: base level from ``prompt_tokens - cached_tokens`` (remaining prefill work) instead of
+    #: the prompt length (the paper's "initial KV footprint"); off by default
+    discount_cached: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_levels < 1:
+            raise ValueError("num_levels must be >= 1")
+        if self.base_tokens < 1 or self.quota_tokens < 1:
+            raise ValueError("base_tokens and quota_tokens must be >= 1")
+        if self.quota_growth < 1.0:
+            raise ValueError("quota_growth must be >= 1")
+        if self.window_s <= 0 or self.window_buckets < 1:
+            raise ValueError("window_s must be > 0 and window_buckets >= 1")
+
+
+class _WindowedService:
+    """Tokens served in the last ``window`` seconds, bucketed so updates are O(1) amortised."""
+
+    __slots__ = ("buckets", "total")
+
+    def __init__(self) -> None:
+        #: [bucket index, tokens] pairs, oldest first
+        self.buckets: deque[list[int]] = deque()
+        self.total = 0
+
+    def add(self, bucket: int, tokens: int) -> None:
+        b = self.buckets
+        if b and b[-1][0] >= bucket:
+            # same bucket (or a clock that stepped back: charge the newest bucket)
+            b[-1][1] += tokens
+        else:
+            b.append([bucket, tokens])
+        self.total += tokens
+
+    def expire(self, oldest_live: int) -> int:
+        """Drop buckets with index < ``oldest_live``; return the windowed total."""
+        b = self.buckets
+        while b and b[0][0] < oldest_live:
+            self.total -= b.popleft()[1]
+        return self.total
+
+
+class WindowedMLFQ:
+    """The MARS ordering policy (``--policy mars``). See the module docstring for the rule."""
+
+    name = "mars"
+
+    def __init__(self, config: MLFQConfig | None = None) -> None:
+        self.config = cfg = config or MLFQConfig()
+        self._L1 = cfg.num_levels - 1
+        self._base = cfg.base_tokens
+        self._bucket_w = cfg.window_s / cfg.window_buckets
+        p = cfg.promote_after_s
+        self._promote = p if (p > 0 and math.isfinite(p)) else 0.0
+        self._discount_cached = cfg.discount_cached
+        quotas = [cfg.quota_tokens * cfg.quota_growth**lvl for lvl in range(cfg.num_levels)]
+        #: _thresholds[b][k]: service that demotes a base-b call k+1 levels
+        self._thresholds: list[tuple[float, ...]] = []
+        for b in range(cfg.num_levels):
+            acc, row = 0.0, []
+            for lvl in range(b, self._L1):
+                acc += quotas[lvl]
+                row.append(acc)
+            self._thresholds.append(tuple(row))
+        self._window_s = cfg.window_s
+        self._service: dict[str, _WindowedService] = {}
+        self._levels: dict[str, int] = {}
+        self._cached_now = math.nan
+        self._cached_oldest = 0
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def promotion_bound_s(self) -> float:
+        """Longest time a call can go unserved before it is at level 0: ``(L-1) * period``.
+
+        ``inf`` when promotion is disabled.
+        """
+        if not self._promote:
+            return math.inf if self._L1 > 0 else 0.0
+        return self._L1 * self._promote
+
+    def base_level(self, prompt_tokens: int) -> int:
+        """Level a call of this size starts at (no service, no waiting)."""
+        if prompt_tokens <= self._base:
+            return 0
+        # ceil(log2(p / base)) without floats: ((p-1)//base).bit_length()
+        return min(self._L1, ((prompt_tokens - 1) // self._base).bit_length())
+
+    def quota(self, level: int) -> float:
+        cfg = self.config
+        return cfg.quota_tokens * cfg.quota_growth**level
+
+    def windowed_service(self, request_id: str, now: float) -> int:
+        svc = self._service.get(request_id)
+        if svc is None:
+            return 0
+        return svc.expire(self._oldest_live_bucket(now))
+
+    def level_of(self, request_id: str) -> int | None:
+        """Level computed by the latest ``key``/``level`` call for this request, if any."""
+        return self._levels.get(request_id)
+
+    # ------------------------------------------------------------------ policy contract
+    def level(self, call: CallView, now: float) -> int:
+        return self.key(call, now)[0]
+
+    def key(self, call: CallView, now: float) -> tuple:
+        # Hot path (every waiting and running call, every step): locals only, no allocation
+        # beyond the returned tuple, one dict probe for calls never served.
+        base = self._base
+        p = call.prompt_tokens - call.cached_tokens if self._discount_cached \
+            else call.prompt_tokens
+        lvl = ((p - 1) // base).bit_length() if p > base else 0
+        L1 = self._L1
+        if lvl > L1:
+            lvl = L1
+        rid = call.request_id
+        svc = self._service.get(rid)
+        if svc is not None:
+            s = svc.total
+            if s:
+                if now != self._cached_now:  # once per step, not once per call
+                    self._cached_now = now
+                    self._cached_oldest = self._oldest_live_bucket(now)
+                if svc.buckets[0][0] < self._cached_oldest:
+                    s = svc.expire(self._cached_oldest)
+                if s:
+                    lvl += bisect_right(self._thresholds[lvl], s)
+                    if lvl > L1:
+                        lvl = L1
+        promo = 0
+        period = self._promote
+        if period:
+            waited = now - call.last_served
+            if waited >= period:
+                promo = int(waited // period)
+                lvl = lvl - promo if promo < lvl else 0
+        self._levels[rid] = lvl
+        return (lvl, -promo, call.num_blocks, call.arrival_time)
+
+    def on_scheduled(self, call: CallView, tokens: int, now: float) -> None:
+        if tokens <= 0:
+            return
+        svc = self._service.get(call.request_id)
+        if svc is None:
+            svc = self._service[call.request_id] = _WindowedService()
+        svc.add(int(now // self._bucket_w), tokens)
+
+    def on_finished(self, request_id: str, session_id: str | None, now: float) -> None:
+        self._service.pop(request_id, None)
+        self._levels.pop(request_id, None)
+
+    # ------------------------------------------------------------------ internals
+    def _oldest_live_bucket(self, now: float) -> int:
+        # bucket k covers [k*w, (k+1)*w) and is live iff (k+1)*w > now - window_s,
+        # i.e. k >= floor((now - window_s) / w)
+        return math.floor((now - self._window_s) / self._bucket_w)

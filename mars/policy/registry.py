@@ -1,0 +1,74 @@
+"""``--policy NAME`` -> the ordering, retention and mechanism switches that make up a system.
+
+MARS's ablations (paper §6.5) each switch off one component: ``mars_no_coord`` the
+Priority-Aware Coordinator (FCFS order), ``mars_no_ctrl`` the external admission controller,
+``mars_no_cosched`` the Opportunistic Co-Scheduler (no chunk shrinking, no pinning). Baselines
+run inside the same engine with the sidecar's admission off (§6.2: identical batch limits).
+Factories, not instances, because policies are stateful and every engine needs its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mars.policy.base import FcfsOrdering, NoRetention, OrderingPolicy, RetentionPolicy
+from mars.policy.baselines import (
+    AutellixPLAS,
+    ContinuumDyRetention,
+    ContinuumRetention,
+    InferceptRetention,
+)
+from mars.policy.mlfq import WindowedMLFQ
+from mars.policy.retention import CostBenefitRetention
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    ordering: Callable[[], OrderingPolicy]
+    retention: Callable[[], RetentionPolicy]
+    #: shrink a prefill chunk to what the allocator can fit before preempting (§4.3)
+    chunk_shrink: bool
+    #: pin finished rounds' KV across tool calls (the retention policy is consulted)
+    pin: bool
+    #: the sidecar's external admission controller gates new sessions (§4.2)
+    sidecar_admission: bool
+
+    def build(self) -> tuple[OrderingPolicy, RetentionPolicy]:
+        return self.ordering(), self.retention()
+
+
+_SPECS: dict[str, PolicySpec] = {
+    s.name: s
+    for s in (
+        PolicySpec("fcfs", FcfsOrdering, NoRetention,
+                   chunk_shrink=False, pin=False, sidecar_admission=False),
+        PolicySpec("mars", WindowedMLFQ, CostBenefitRetention,
+                   chunk_shrink=True, pin=True, sidecar_admission=True),
+        PolicySpec("mars_no_coord", FcfsOrdering, CostBenefitRetention,
+                   chunk_shrink=True, pin=True, sidecar_admission=True),
+        PolicySpec("mars_no_ctrl", WindowedMLFQ, CostBenefitRetention,
+                   chunk_shrink=True, pin=True, sidecar_admission=False),
+        PolicySpec("mars_no_cosched", WindowedMLFQ, NoRetention,
+                   chunk_shrink=False, pin=False, sidecar_admission=True),
+        PolicySpec("autellix", AutellixPLAS, NoRetention,
+                   chunk_shrink=False, pin=False, sidecar_admission=False),
+        PolicySpec("infercept", FcfsOrdering, InferceptRetention,
+                   chunk_shrink=False, pin=True, sidecar_admission=False),
+        PolicySpec("continuum", FcfsOrdering, ContinuumRetention,
+                   chunk_shrink=False, pin=True, sidecar_admission=False),
+        PolicySpec("continuum_dy", FcfsOrdering, ContinuumDyRetention,
+                   chunk_shrink=False, pin=True, sidecar_admission=False),
+    )
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(_SPECS)
+
+
+def get_policy(name: str) -> PolicySpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None

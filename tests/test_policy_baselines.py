@@ -1,0 +1,237 @@
+"""Baselines: Autellix PLAS, InferCept, Continuum, Continuum-Dy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mars.policy.base import CallView, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
+from mars.policy.baselines import (
+    AutellixPLAS,
+    ContinuumConfig,
+    ContinuumDyConfig,
+    ContinuumDyRetention,
+    ContinuumRetention,
+    InferceptRetention,
+    PLASConfig,
+)
+
+
+def call(rid: str, session: str | None, *, arrival: float = 0.0, prompt: int = 1000) -> CallView:
+    return CallView(request_id=rid, session_id=session, prompt_tokens=prompt, computed_tokens=0,
+                    cached_tokens=0, output_tokens=0, max_tokens=64, arrival_time=arrival,
+                    last_served=arrival, num_blocks=0, running=False)
+
+
+def kv(free: int, *, pinned: int = 0, waiting: int = 0, total: int = 10_000) -> KvPressure:
+    return KvPressure(total_blocks=total, free_blocks=free, pinned_blocks=pinned,
+                      waiting_demand_blocks=waiting)
+
+
+def cand(tool: str | None = "t", *, blocks: int = 2000, ctx: int = 32_000,
+         started: float = 0.0, session: str = "s") -> PinCandidate:
+    return PinCandidate(session_id=session, blocks=blocks, context_tokens=ctx, tool=tool,
+                        started=started)
+
+
+# ====================================================================== Autellix PLAS
+
+
+def test_plas_protocol_and_queue_bounds():
+    pol = AutellixPLAS()
+    assert isinstance(pol, OrderingPolicy) and pol.name == "autellix"
+    # quanta 4096, 8192, 16384, ...: queue i ends at 4096 * (2**(i+1) - 1)
+    assert pol.queue_of_service(0) == 0
+    assert pol.queue_of_service(4095) == 0
+    assert pol.queue_of_service(4096) == 1
+    assert pol.queue_of_service(12_287) == 1
+    assert pol.queue_of_service(12_288) == 2
+    assert pol.queue_of_service(10**9) == 7
+
+
+def test_plas_program_service_across_rounds_orders_calls():
+    pol = AutellixPLAS(PLASConfig(beta=1e9))          # no anti-starvation here
+    r1 = call("a-r1", "a", arrival=0.0)
+    pol.on_scheduled(r1, 60_000, now=0.0)
+    pol.on_scheduled(r1, 40_000, now=0.1)
+    pol.on_finished("a-r1", "a", now=0.2)
+    assert pol.program_service("a") == 100_000        # kept after the round finished
+    a2 = call("a-r2", "a", arrival=1.0)               # arrives first...
+    b1 = call("b-r1", "b", arrival=2.0)               # ...but b has attained nothing
+    order = sorted([a2, b1], key=lambda c: pol.key(c, 2.0))
+    assert [c.request_id for c in order] == ["b-r1", "a-r2"]
+    assert pol.key(a2, 2.0)[0] == 4                   # 100K lies in queue 4
+
+
+def test_plas_fcfs_inside_a_queue_and_demotion():
+    pol = AutellixPLAS(PLASConfig(beta=1e9))
+    x = call("x", "x", arrival=1.0)
+    y = call("y", "y", arrival=2.0)
+    assert sorted([y, x], key=lambda c: pol.key(c, 3.0)) == [x, y]
+    pol.on_scheduled(x, 4095, now=3.0)
+    assert pol.key(x, 3.1)[0] == 0                    # quantum of queue 0 not used up
+    pol.on_scheduled(x, 1, now=3.1)
+    assert pol.key(x, 3.2)[0] == 1                    # used up -> demoted
+    assert sorted([x, y], key=lambda c: pol.key(c, 3.2)) == [y, x]
+
+
+def test_plas_sessionless_call_is_its_own_program():
+    pol = AutellixPLAS()
+    c = call("solo", None)
+    pol.on_scheduled(c, 50_000, now=0.0)
+    assert pol.program_service("solo") == 50_000
+    pol.on_finished("solo", None, now=1.0)
+    assert pol.program_service("solo") == 0
+
+
+def test_plas_anti_starvation_promotes_to_top_queue():
+    pol = AutellixPLAS(PLASConfig(beta=4.0, default_step_s=0.05))
+    r1 = call("a-r1", "a", arrival=0.0)
+    pol.on_scheduled(r1, 100_000, now=0.0)            # one step: 0.05 s of service
+    pol.on_finished("a-r1", "a", now=0.05)            # no waiting in round 1
+    a2 = call("a-r2", "a", arrival=10.0)
+    b = call("b-r1", "b", arrival=10.05)
+    pol.on_scheduled(call("warm", "w", arrival=10.05), 10_000, now=10.05)  # w gets served
+    w = call("warm", "w", arrival=10.05)
+    # at 10.1: a waited 0.1 s for 0.05 s of service -> ratio 2 < beta: stays in queue 4
+    assert pol.starvation_ratio(a2, 10.1) == pytest.approx(2.0)
+    assert pol.key(a2, 10.1)[0] == 4
+    # at 10.3: ratio 6 >= beta -> queue 0, FCFS with the other queue-0 call (a arrived first)
+    assert pol.key(a2, 10.3)[0] == 0
+    order = sorted([w, b, a2], key=lambda c: pol.key(c, 10.3))
+    assert order[0].request_id == "a-r2"
+    assert order[-1].request_id == "warm"             # 10K attained -> queue 1
+
+
+# ====================================================================== InferCept
+
+
+def test_infercept_break_even_and_decision():
+    pol = InferceptRetention()
+    assert isinstance(pol, RetentionPolicy) and pol.name == "infercept"
+    k = kv(free=5_000, pinned=1_000)                  # batch holds 10000-5000-1000-2000
+    c = cand()
+    # R = 32000 / 10000 = 3.2 s; tau_be = R * (2000 + 2000) / 2000
+    assert pol.break_even_s(c, k) == pytest.approx(6.4)
+    for _ in range(5):
+        pol.observe_tool("t", 5.0)                    # mean 5 <= 6.4 -> preserve
+    assert pol.admit(c, k, now=0.0) == pytest.approx(6.4)
+    # a bigger co-running batch raises the cost of recomputing, so the break-even grows
+    assert pol.break_even_s(c, kv(free=1_000, pinned=1_000)) == pytest.approx(3.2 * 4)
+    for _ in range(20):
+        pol.observe_tool("slow", 9.0)                 # mean 9 > 6.4 -> discard
+    assert pol.admit(cand("slow", session="s2"), k, now=0.0) == 0.0
+
+
+def test_infercept_keep_only_checks_expiry():
+    pol = InferceptRetention()
+    pol.observe_tool("t", 1.0)
+    c = cand(started=100.0)
+    tau = pol.admit(c, kv(free=5_000), now=100.0)
+    assert tau > 1.0
+    # decided once: a full pool does not release it...
+    assert pol.keep(c, kv(free=0, waiting=9_000), now=100.0 + tau - 0.01) is True
+    # ...expiry does
+    assert pol.keep(c, kv(free=5_000), now=100.0 + tau) is False
+
+
+def test_infercept_expected_duration_fallbacks():
+    pol = InferceptRetention()
+    assert pol.durations.mean("t") == 5.0             # prior before anything is observed
+    pol.observe_tool("other", 2.0)
+    assert pol.durations.mean("t") == 2.0             # all-tool running mean
+
+
+# ====================================================================== Continuum
+
+
+def test_continuum_fixed_ttl():
+    pol = ContinuumRetention()
+    assert pol.name == "continuum"
+    c = cand("fast", started=0.0)
+    assert pol.admit(c, kv(free=100), now=0.0) == 2.0   # nothing known yet: pin
+    for d in (1.0, 2.0):
+        pol.observe_tool("fast", d)                       # mean 1.5 <= 2
+    for d in (2.0, 4.0):
+        pol.observe_tool("slow", d)                       # mean 3 > 2
+    assert pol.admit(c, kv(free=100), now=0.0) == 2.0
+    assert pol.keep(c, kv(free=0, waiting=9_000), now=1.99) is True
+    assert pol.keep(c, kv(free=9_000), now=2.0) is False
+    assert pol.admit(cand("slow", session="s2"), kv(free=9_000), now=0.0) == 0.0
+    # unseen tool: judged by the all-tool mean (2.25 > 2)
+    assert pol.admit(cand("new", session="s3"), kv(free=9_000), now=0.0) == 0.0
+    custom = ContinuumRetention(ContinuumConfig(ttl_s=5.0, threshold_s=3.0))
+    custom.observe_tool("slow", 3.0)
+    assert custom.admit(cand("slow"), kv(free=9_000), now=0.0) == 5.0
+
+
+# ====================================================================== Continuum-Dy
+
+
+def test_continuum_dy_cold_start_uses_default_ttl():
+    pol = ContinuumDyRetention()
+    assert pol.name == "continuum_dy"
+    for _ in range(99):
+        pol.observe_tool("t", 300.0)                  # even clearly long tools...
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 2.0   # ...< 100 samples
+    pol.observe_tool("t", 300.0)
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 0.0   # now the CDF speaks
+
+
+def test_continuum_dy_argmax():
+    pol = ContinuumDyRetention()
+    for _ in range(100):
+        pol.observe_tool("t", 3.0)
+    # value = T_bar * eta + reload = 0 * 1 + 3.2: every tau >= 3 costs more than it saves
+    assert pol.value_s(cand()) == pytest.approx(3.2)
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 0.0
+    # queueing after eviction makes a warm resume worth more: 5 * 1 + 3.2 = 8.2
+    pol.observe_queue_delay(4.0)
+    pol.observe_queue_delay(6.0)
+    assert pol.value_s(cand()) == pytest.approx(8.2)
+    # scores: tau=4 -> 8.2 - 4 = 4.2; tau=8 -> 0.2; below 3 s -> -tau
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 4.0
+    # decided once: keep is pure expiry
+    c = cand(started=0.0)
+    pol.admit(c, kv(free=9_000), now=0.0)
+    assert pol.keep(c, kv(free=0, waiting=9_000), now=3.9) is True
+    assert pol.keep(c, kv(free=9_000), now=4.0) is False
+
+
+def test_continuum_dy_eta_from_finished_sessions():
+    pol = ContinuumDyRetention()
+    assert pol.eta == 1.0                             # default before any session ends
+    pol.observe_session(3)
+    pol.observe_session(3)
+    assert pol.eta == pytest.approx(1.0)              # equal lengths: perfectly predictable
+    pol2 = ContinuumDyRetention()
+    for t in (1, 5, 12):
+        pol2.observe_session(t)
+    pairs = [(d, t - d) for t in (1, 5, 12) for d in range(1, t + 1)]
+    done, left = np.array(pairs, dtype=float).T
+    expected = -np.corrcoef(done, left)[0, 1]
+    assert 0.0 < expected < 1.0
+    assert pol2.eta == pytest.approx(expected)
+    # eta scales the queueing term
+    for _ in range(100):
+        pol2.observe_tool("t", 3.0)
+    pol2.observe_queue_delay(5.0)
+    assert pol2.value_s(cand()) == pytest.approx(5.0 * expected + 3.2)
+
+
+def test_continuum_dy_tool_specific_vs_all_tool_fallback():
+    pol = ContinuumDyRetention(ContinuumDyConfig(tau_grid_s=(0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)))
+    for _ in range(100):
+        pol.observe_tool("a", 0.4)
+    for _ in range(50):
+        pol.observe_tool("b", 20.0)
+    # "a" has its own 100 samples: P(0.5) = 1 -> 3.2 - 0.5
+    assert pol.admit(cand("a"), kv(free=9_000), now=0.0) == 0.5
+    # "b" has only 50: the all-tool CDF (100 x 0.4, 50 x 20) gives P(0.5) = 2/3 -> pin 0.5
+    assert pol.durations.source("b", 100) == "all"
+    assert pol.admit(cand("b", session="s2"), kv(free=9_000), now=0.0) == 0.5
+    for _ in range(50):
+        pol.observe_tool("b", 20.0)
+    # with 100 of its own (all 20 s) nothing below 20 s can pay off, and 32 s costs > 3.2
+    assert pol.durations.source("b", 100) == "tool"
+    assert pol.admit(cand("b", session="s3"), kv(free=9_000), now=0.0) == 0.0

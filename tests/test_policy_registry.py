@@ -1,0 +1,64 @@
+"""--policy NAME -> ordering, retention and mechanism switches."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from mars.policy.base import FcfsOrdering, NoRetention, OrderingPolicy, RetentionPolicy
+from mars.policy.baselines import (
+    AutellixPLAS,
+    ContinuumDyRetention,
+    ContinuumRetention,
+    InferceptRetention,
+)
+from mars.policy.mlfq import WindowedMLFQ
+from mars.policy.registry import POLICY_NAMES, PolicySpec, get_policy
+from mars.policy.retention import CostBenefitRetention
+
+EXPECTED = {
+    # name: (ordering, retention, chunk_shrink, pin, sidecar_admission)
+    "fcfs": (FcfsOrdering, NoRetention, False, False, False),
+    "mars": (WindowedMLFQ, CostBenefitRetention, True, True, True),
+    "mars_no_coord": (FcfsOrdering, CostBenefitRetention, True, True, True),
+    "mars_no_ctrl": (WindowedMLFQ, CostBenefitRetention, True, True, False),
+    "mars_no_cosched": (WindowedMLFQ, NoRetention, False, False, True),
+    "autellix": (AutellixPLAS, NoRetention, False, False, False),
+    "infercept": (FcfsOrdering, InferceptRetention, False, True, False),
+    "continuum": (FcfsOrdering, ContinuumRetention, False, True, False),
+    "continuum_dy": (FcfsOrdering, ContinuumDyRetention, False, True, False),
+}
+
+
+def test_policy_names():
+    assert set(POLICY_NAMES) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_spec_contents(name):
+    ordering_cls, retention_cls, shrink, pin, admission = EXPECTED[name]
+    spec = get_policy(name)
+    assert isinstance(spec, PolicySpec) and spec.name == name
+    ordering, retention = spec.build()
+    assert type(ordering) is ordering_cls
+    assert type(retention) is retention_cls
+    assert isinstance(ordering, OrderingPolicy)
+    assert isinstance(retention, RetentionPolicy)
+    assert (spec.chunk_shrink, spec.pin, spec.sidecar_admission) == (shrink, pin, admission)
+    # pinning is on exactly when the retention policy can pin
+    assert spec.pin == (retention_cls is not NoRetention)
+
+
+def test_factories_give_fresh_stateful_instances():
+    spec = get_policy("mars")
+    a, b = spec.ordering(), spec.ordering()
+    assert a is not b
+
+
+def test_unknown_policy_lists_valid_names():
+    with pytest.raises(ValueError) as exc:
+        get_policy("sjf")
+    msg = str(exc.value)
+    assert "sjf" in msg
+    for name in POLICY_NAMES:
+        assert name in msg

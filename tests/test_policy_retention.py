@@ -1,0 +1,248 @@
+"""ToolDurationModel and MARS's cost/benefit retention rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mars.policy.base import KvPressure, PinCandidate, RetentionPolicy
+from mars.policy.retention import (
+    CostBenefitRetention,
+    PrefillRate,
+    RetentionConfig,
+    ToolDurationModel,
+    block_price,
+)
+
+TOTAL = 10_000
+
+
+def kv(free: int, *, pinned: int = 0, waiting: int = 0, total: int = TOTAL) -> KvPressure:
+    return KvPressure(total_blocks=total, free_blocks=free, pinned_blocks=pinned,
+                      waiting_demand_blocks=waiting)
+
+
+def cand(tool: str | None = "t", *, blocks: int = 2000, ctx: int = 32_000,
+         started: float = 0.0, session: str = "s") -> PinCandidate:
+    return PinCandidate(session_id=session, blocks=blocks, context_tokens=ctx, tool=tool,
+                        started=started)
+
+
+# ---------------------------------------------------------------------- duration model
+
+
+def test_prob_within_is_empirical_cdf_of_the_tool():
+    m = ToolDurationModel(min_samples=4)
+    for d in (1.0, 2.0, 3.0, 4.0):
+        m.observe("bash", d)
+    assert m.source("bash") == "tool"
+    assert m.prob_within("bash", 0.5) == 0.0
+    assert m.prob_within("bash", 2.0) == 0.5
+    assert m.prob_within("bash", 3.5) == 0.75
+    assert m.prob_within("bash", 10.0) == 1.0
+
+
+def test_fallback_to_all_tools_then_prior():
+    m = ToolDurationModel(min_samples=4, prior_mean_s=5.0)
+    # nothing known: exponential prior with mean 5 s
+    assert m.source("x") == "prior"
+    assert m.prob_within("x", 5.0) == pytest.approx(1 - math.exp(-1))
+    for _ in range(4):
+        m.observe("fast", 0.5)
+    m.observe("slow", 100.0)
+    # "slow" has 1 sample < 4: answered by all five samples (4 fast, 1 slow)
+    assert m.source("slow") == "all"
+    assert m.prob_within("slow", 1.0) == pytest.approx(0.8)
+    assert m.source("fast") == "tool"
+    assert m.prob_within("fast", 1.0) == 1.0
+    # a never-seen tool also borrows the all-tool distribution
+    assert m.prob_within("new", 1.0) == pytest.approx(0.8)
+    # the caller may demand more evidence (Continuum-Dy uses 100)
+    assert m.source("fast", min_samples=100) == "prior"
+
+
+def test_memory_is_bounded_to_recent_samples():
+    m = ToolDurationModel(max_samples=512, min_samples=1)
+    for _ in range(600):
+        m.observe("t", 100.0)
+    for _ in range(512):
+        m.observe("t", 1.0)
+    assert m.count("t") == 512
+    assert m.prob_within("t", 2.0) == 1.0       # the old long samples are gone
+    for _ in range(1000):
+        m.observe("u", 1.0)
+    assert m.count(None) == 4 * 512                # all-tool history is bounded too
+
+
+def test_conditional_return_probability():
+    m = ToolDurationModel(min_samples=1)
+    for d in (1.0, 2.0, 3.0, 4.0, 10.0):
+        m.observe("t", d)
+    # after 2.5 s, three of the five samples are still running: 3, 4 and 10
+    assert m.prob_returns_within("t", 2.5, 1.0) == pytest.approx(1 / 3)
+    assert m.prob_returns_within("t", 2.5, 2.0) == pytest.approx(2 / 3)
+    assert m.prob_returns_within("t", 0.0, 2.0) == m.prob_within("t", 2.0) == 0.4
+    # outlived every sample: no reason to believe it returns soon
+    assert m.prob_returns_within("t", 11.0, 30.0) == 0.0
+    # prior is memoryless
+    p = ToolDurationModel(prior_mean_s=5.0)
+    assert p.prob_returns_within("x", 50.0, 5.0) == pytest.approx(p.prob_within("x", 5.0))
+
+
+def test_mean_and_bad_samples_ignored():
+    m = ToolDurationModel(min_samples=1)
+    m.observe("t", 1.0)
+    m.observe("t", 3.0)
+    m.observe("t", -1.0)
+    m.observe("t", float("nan"))
+    assert m.mean("t") == 2.0
+    assert m.mean("other") == 2.0                 # all tools
+    assert ToolDurationModel(prior_mean_s=7.0).mean("t") == 7.0
+
+
+def test_prefill_rate_ema():
+    r = PrefillRate(10_000.0, alpha=0.5)
+    assert r.recompute_s(20_000) == pytest.approx(2.0)
+    r.observe(4_000, 2.0)                          # first measurement replaces the guess
+    assert r.tokens_per_s == pytest.approx(2_000.0)
+    r.observe(8_000, 2.0)                          # (0.5*4000+0.5*8000)/(0.5*2+0.5*2)
+    assert r.tokens_per_s == pytest.approx(3_000.0)
+    r.observe(0, 1.0)
+    r.observe(100, 0.0)
+    assert r.tokens_per_s == pytest.approx(3_000.0)
+
+
+# ---------------------------------------------------------------------- price
+
+
+def test_price_is_near_zero_when_free_and_steep_under_pressure():
+    price = lambda k: block_price(k, 1.0, 2.0, 0.99)  # noqa: E731
+    idle = price(kv(free=9_900))
+    half = price(kv(free=5_000))
+    tight = price(kv(free=500))
+    assert idle < 2e-4 / TOTAL
+    assert half == pytest.approx(1.0 / TOTAL)
+    assert tight > 300 * half
+    # queued demand counts as spoken-for memory
+    assert price(kv(free=5_000, waiting=3_000)) > 10 * half
+    # demand beyond the free blocks hits the cap
+    assert price(kv(free=5_000, waiting=6_000)) == pytest.approx((0.99 / 0.01) ** 2 / TOTAL)
+
+
+# ---------------------------------------------------------------------- the rule
+
+
+def _policy_with(samples: dict[str, list[float]], **cfg) -> CostBenefitRetention:
+    pol = CostBenefitRetention(RetentionConfig(**cfg))
+    for tool, ds in samples.items():
+        for d in ds:
+            pol.observe_tool(tool, d)
+    return pol
+
+
+def test_is_a_retention_policy():
+    pol = CostBenefitRetention()
+    assert isinstance(pol, RetentionPolicy)
+    assert pol.name == "mars"
+
+
+def test_short_tool_on_idle_pool_is_pinned_until_it_returns():
+    pol = _policy_with({"t": [0.8] * 20})
+    tau = pol.admit(cand(), kv(free=7_000), now=0.0)
+    assert tau == 1.0          # P reaches 1 at 1 s; longer only costs more
+    assert pol.tau_of("s") == 1.0
+
+
+def test_more_pressure_smaller_tau():
+    pol = _policy_with({"t": [0.4, 0.9, 1.5, 3.0, 6.0, 12.0, 25.0, 50.0] * 4})
+    taus = [pol.admit(cand(), kv(free=f), now=0.0)
+            for f in (8_000, 7_000, 6_000, 5_000, 4_000, 3_000, 2_000, 1_000, 200)]
+    assert all(a >= b for a, b in zip(taus, taus[1:])), taus
+    assert taus[0] >= 30.0
+    assert taus[-1] == 0.0
+    # queued demand alone also shrinks it
+    assert pol.admit(cand(), kv(free=7_000, waiting=6_500), now=0.0) < taus[1]
+
+
+def test_more_short_samples_larger_tau():
+    taus = []
+    for n_short in (0, 5, 10, 15, 20):
+        pol = _policy_with({"t": [0.5] * n_short + [300.0] * (20 - n_short)})
+        taus.append(pol.admit(cand(), kv(free=3_000), now=0.0))
+    assert all(a <= b for a, b in zip(taus, taus[1:])), taus
+    assert taus[0] == 0.0 and taus[-1] > 0.0
+
+
+def test_evidence_of_short_tool_beats_prior_under_pressure():
+    prior_only = CostBenefitRetention()
+    assert prior_only.admit(cand(), kv(free=2_000), now=0.0) == 0.0
+    pol = _policy_with({"t": [0.5] * 50})
+    assert pol.admit(cand(), kv(free=2_000), now=0.0) == 0.5
+
+
+def test_long_tools_are_not_pinned():
+    pol = _policy_with({"t": [300.0] * 50})
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 0.0
+    assert pol.tau_of("s") is None
+
+
+def test_bigger_recompute_justifies_pin():
+    pol = _policy_with({"t": [3.0] * 20})
+    k = kv(free=2_500)
+    assert pol.admit(cand(), k, now=0.0) == 0.0
+    pol.observe_prefill(1_000, 1.0)                # prefill 10x slower than assumed
+    assert pol.admit(cand(), k, now=0.0) == 4.0
+
+
+def test_keep_turns_false_when_pressure_rises_mid_tool():
+    pol = _policy_with({"t": [1.0, 2.0, 4.0, 8.0, 16.0] * 4})
+    c = cand(started=0.0)
+    tau = pol.admit(c, kv(free=8_000), now=0.0)
+    assert tau >= 16.0
+    assert pol.keep(c, kv(free=8_000), now=3.0) is True
+    assert pol.keep(c, kv(free=100, waiting=5_000), now=3.5) is False
+    assert pol.tau_of("s") is None
+
+
+def test_keep_false_when_tau_expires_or_tool_outlives_samples():
+    pol = _policy_with({"t": [0.8] * 20})
+    c = cand(started=10.0)
+    assert pol.admit(c, kv(free=7_000), now=10.0) == 1.0
+    assert pol.keep(c, kv(free=7_000), now=10.5) is True
+    assert pol.keep(c, kv(free=7_000), now=11.0) is False   # tau reached
+    pol2 = _policy_with({"t": [1.0, 2.0, 3.0] * 5})
+    c2 = cand(started=0.0)
+    assert pol2.admit(c2, kv(free=9_000), now=0.0) >= 4.0
+    assert pol2.keep(c2, kv(free=9_000), now=2.5) is True
+    # ran longer than every observed duration: expected gain is 0 even on an idle pool
+    assert pol2.keep(c2, kv(free=9_000), now=3.5) is False
+
+
+def test_keep_uses_conditional_probability():
+    # half the calls return within 1 s, the other half take 40 s
+    samples = {"t": [0.8] * 10 + [40.0] * 10}
+    c = cand(started=0.0)
+    busy = kv(free=3_000)
+    # decided on a busy pool: only the quick half is worth betting on
+    assert _policy_with(samples).admit(c, busy, now=0.0) == 1.0
+    # decided on an idle pool: pin long enough to cover the slow half too
+    pol = _policy_with(samples)
+    assert pol.admit(c, kv(free=8_000), now=0.0) == 60.0
+    # the pool gets busy; right after the call a quick return is still likely...
+    assert pol.keep(c, busy, now=0.2) is True
+    # ...but after 1.5 s only the 40 s tail is left, not worth the memory at this pressure
+    assert pol.keep(c, kv(free=8_000), now=1.5) is True
+    assert pol.keep(c, busy, now=1.5) is False
+
+
+def test_zero_block_candidate_not_pinned():
+    pol = _policy_with({"t": [0.5] * 20})
+    assert pol.admit(cand(blocks=0, ctx=0), kv(free=9_000), now=0.0) == 0.0
+
+
+def test_tau_bounded_by_max_tau():
+    pol = _policy_with({"t": [45.0] * 20}, max_tau_s=30.0)
+    assert pol.admit(cand(), kv(free=9_900), now=0.0) == 0.0
+    pol = _policy_with({"t": [45.0] * 20}, max_tau_s=60.0)
+    assert pol.admit(cand(), kv(free=9_900), now=0.0) == 60.0
