@@ -1,0 +1,223 @@
+"""BalanceAndAdmit of Algorithm 1: the control plane's single control step (paper §4.2).
+
+:class:`BalanceAndAdmit` is a pure state machine that owns the waiting queue and the set of
+admitted sessions and composes the two policies:
+
+1. ``UpdateWindow`` (:class:`~mars.policy.aimd.AdmissionController`) turns the dual-pressure
+   state into a budget of admitted sessions;
+2. ``PackQueue`` (:class:`~mars.policy.packing.PackQueue`) picks which queued sessions fill
+   ``budget - in_use`` free slots under the free-block budget.
+
+It knows nothing of HTTP or asyncio: the sidecar calls :meth:`observe` for every event of the
+unified stream, :meth:`enqueue` when a new session's first request arrives (``QueueFull`` ->
+HTTP 429), :meth:`step` on a timer and after relevant events, wakes the waiters whose ids
+:meth:`step` returns, and calls :meth:`release` when a session ends.
+
+Blocks promised but not yet visible: a session admitted in this step has not reached the
+engine, so the next ``kv_snapshot`` still shows its blocks as free. Its estimate is kept as a
+*pending reservation*, subtracted from the free blocks handed to the packer, until the engine
+reports its first token (its prompt is then resident), a ``gpu_end``/``preempt`` for it, its
+release, or ``pending_ttl_s``. Without this, a burst of steps between two snapshots would admit
+the same free blocks several times.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from mars.policy.aimd import AdmissionController, AIMDConfig, WindowDecision
+from mars.policy.events import make_event
+from mars.policy.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
+                                 estimate_blocks)
+from mars.policy.pressure import DualPressureState, PressureConfig
+
+
+class QueueFull(Exception):
+    """The admission queue is at ``max_queue``: the sidecar answers 429 (Retry-After)."""
+
+
+class AlreadyAdmitted(ValueError):
+    """``enqueue`` for a session that is already admitted: forward it, do not queue it."""
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """Top-level control-plane config: the queue's own knobs plus the three policies'."""
+
+    #: Sessions that may wait at once; the next enqueue raises :class:`QueueFull`.
+    max_queue: int = 1024
+    #: Seconds a just-admitted session's block estimate stays reserved at most.
+    pending_ttl_s: float = 30.0
+    aimd: AIMDConfig = field(default_factory=AIMDConfig)
+    packing: PackConfig = field(default_factory=PackConfig)
+    pressure: PressureConfig = field(default_factory=PressureConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+
+
+@dataclass(slots=True)
+class AdmittedSession:
+    session_id: str
+    admitted_at: float
+    enqueued_at: float
+    est_blocks: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one control step did. Unpacks as ``admitted, decision = step(now)``."""
+
+    admitted: list[str]
+    decision: WindowDecision
+    pack: PackResult | None
+    in_use: int
+    queued: int
+    #: (session_id, queued_s, est_blocks) of each admission, for session_admit events
+    admissions: list[tuple[str, float, int]] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.admitted, self.decision))
+
+    def events(self, now: float) -> list[dict[str, Any]]:
+        """``window_update`` + one ``session_admit`` per admission (schema-valid dicts)."""
+        d = self.decision
+        reason = d.reason + (f"; pack={self.pack.mode.value}: {self.pack.reason}"
+                             if self.pack else "")
+        evs = [make_event("window_update", ts=now, window=d.window, cpu_cap=d.cpu_cap,
+                          kv_cap=d.kv_cap, budget=d.budget, admitted=self.in_use,
+                          queued=self.queued, mode=d.mode, reason=reason)]
+        for sid, queued_s, blocks in self.admissions:
+            evs.append(make_event("session_admit", session_id=sid, ts=now,
+                                  queued_s=queued_s, est_blocks=blocks))
+        return evs
+
+
+class BalanceAndAdmit:
+    """Waiting queue + admitted set + UpdateWindow + PackQueue, stepped explicitly."""
+
+    def __init__(self, config: AdmissionConfig | None = None) -> None:
+        self.config = cfg = config or AdmissionConfig()
+        self.state = DualPressureState(cfg.pressure)
+        self.controller = AdmissionController(cfg.aimd)
+        self.packer = PackQueue(cfg.packing)
+        self._queue: dict[str, QueuedSession] = {}
+        self._admitted: dict[str, AdmittedSession] = {}
+        #: session -> (blocks, expires_at)
+        self._pending: dict[str, tuple[int, float]] = {}
+        self._seq = itertools.count()
+        self.last: StepResult | None = None
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def in_use(self) -> int:
+        return len(self._admitted)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def is_admitted(self, session_id: str) -> bool:
+        return session_id in self._admitted
+
+    def is_queued(self, session_id: str) -> bool:
+        return session_id in self._queue
+
+    def queued_sessions(self) -> list[QueuedSession]:
+        return list(self._queue.values())
+
+    def admitted_sessions(self) -> list[AdmittedSession]:
+        return list(self._admitted.values())
+
+    @property
+    def block_size(self) -> int:
+        return self.state.block_size or self.config.packing.block_size
+
+    def pending_blocks(self, now: float) -> int:
+        self._expire_pending(now)
+        return sum(b for b, _ in self._pending.values())
+
+    # ------------------------------------------------------------------ inputs
+    def observe(self, event: Any) -> bool:
+        """Feed one event of the unified stream (dict or pydantic model)."""
+        if not isinstance(event, Mapping) and hasattr(event, "model_dump"):
+            event = event.model_dump()
+        ok = self.state.observe(event)
+        if isinstance(event, Mapping):
+            kind, sid = event.get("kind"), event.get("session_id")
+            if sid is not None and kind in ("gpu_1st_token", "gpu_end", "preempt"):
+                self._pending.pop(str(sid), None)
+            elif sid is not None and kind == "session_end":
+                self.release(str(sid))
+        return ok
+
+    def enqueue(self, session_id: str, now: float, *, prompt_tokens: int = 0,
+                est_blocks: int | None = None, tool_share: float | None = None,
+                meta: dict[str, Any] | None = None) -> QueuedSession:
+        """Queue a new session (idempotent while queued).
+
+        Raises :class:`QueueFull` at ``max_queue`` and :class:`AlreadyAdmitted` if the session
+        is already admitted (its requests should be forwarded directly).
+        """
+        if session_id in self._admitted:
+            raise AlreadyAdmitted(session_id)
+        existing = self._queue.get(session_id)
+        if existing is not None:
+            return existing
+        if len(self._queue) >= self.config.max_queue:
+            raise QueueFull(f"admission queue full ({self.config.max_queue} sessions)")
+        if est_blocks is None:
+            est_blocks = estimate_blocks(prompt_tokens, self.block_size)
+        qs = QueuedSession(session_id=session_id, enqueued_at=now,
+                           prompt_tokens=max(0, int(prompt_tokens)),
+                           est_blocks=max(0, int(est_blocks)),
+                           tool_share=tool_share, seq=next(self._seq), meta=dict(meta or {}))
+        self._queue[session_id] = qs
+        return qs
+
+    def cancel(self, session_id: str) -> bool:
+        """Withdraw a queued session (client gave up); True if it was queued."""
+        return self._queue.pop(session_id, None) is not None
+
+    def release(self, session_id: str) -> bool:
+        """A session ended: free its slot (idempotent). Also drops it from the queue."""
+        self._pending.pop(session_id, None)
+        self.state.forget_session(session_id)
+        was_admitted = self._admitted.pop(session_id, None) is not None
+        was_queued = self._queue.pop(session_id, None) is not None
+        return was_admitted or was_queued
+
+    # ------------------------------------------------------------------ control step
+    def _expire_pending(self, now: float) -> None:
+        for sid in [s for s, (_, exp) in self._pending.items() if exp <= now]:
+            del self._pending[sid]
+
+    def step(self, now: float) -> StepResult:
+        """BalanceAndAdmit: UpdateWindow, then PackQueue over the free slots."""
+        sig = self.state.signals(now)
+        in_use = self.in_use
+        decision = self.controller.update(sig, in_use, now)
+        slots = max(0, decision.budget - in_use)
+        pack: PackResult | None = None
+        admitted: list[str] = []
+        admissions: list[tuple[str, float, int]] = []
+        if self._queue:
+            free = sig.free_blocks
+            if free is not None:
+                free = max(0, free - self.pending_blocks(now))
+            pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use)
+            ttl = self.config.pending_ttl_s
+            for qs in pack.sessions:
+                del self._queue[qs.session_id]
+                self._admitted[qs.session_id] = AdmittedSession(
+                    qs.session_id, now, qs.enqueued_at, qs.est_blocks)
+                if qs.est_blocks > 0:
+                    self._pending[qs.session_id] = (qs.est_blocks, now + ttl)
+                admitted.append(qs.session_id)
+                admissions.append((qs.session_id, qs.waited(now), qs.est_blocks))
+        result = StepResult(admitted, decision, pack, self.in_use, self.queued, admissions)
+        self.last = result
+        return result

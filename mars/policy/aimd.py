@@ -1,0 +1,426 @@
+"""External Admission Controller: UpdateWindow of Algorithm 1 (paper §4.2).
+
+The controller answers one question per control step: *how many sessions may be admitted
+(in total) right now?* It keeps a raw window ``W`` driven by AIMD on dual-pressure overload,
+and clamps it with two capacity-derived caps::
+
+    budget = clamp(floor(min(W, cpu_cap, kv_cap)), min_window, max_window)
+
+Design choices, each aimed at one way such loops oscillate (see docs/control_plane.md for the
+comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filter):
+
+* **Hysteresis per signal.** A signal enters overload at ``*_enter`` and leaves only at
+  ``*_leave`` (< enter). Between the two (the band) the window *holds*: it neither grows nor
+  shrinks. Growth needs every signal at or below its leave threshold.
+* **Persistence before entering.** A signal must stay above its enter threshold for
+  ``*_persist_s`` before it counts as overload (CPU 5 s, engine queue 2 s; KV and preemptions
+  at once), so one instantaneous reading (a burst of tool starts, a request that waits one
+  engine step) does not cut the window.
+* **Rate-limited, operating-point decrease.** At most one multiplicative decrease per
+  ``decrease_cooldown_s``; the cut is taken from ``min(W, in_use)`` (a window that was never
+  filled is no evidence of capacity); and no further cut is made while the admitted sessions
+  still exceed the window (``in_use > W``): admission is already stopped and cutting again
+  before the last cut took effect would only collapse the window. Admitted sessions are never
+  evicted; the window bites as they end.
+* **Sustained, used, paced increase.** ``+additive_increase`` only after ``healthy_ticks``
+  consecutive healthy evaluations taken at most once per ``increase_interval_s`` (so the rate
+  of growth does not depend on how often the sidecar calls :meth:`update`), and only if the
+  window is actually used (``in_use >= increase_min_utilisation * W``). The latter is also the
+  anti-windup rule: when a cap binds, ``in_use`` stays below ``W`` and ``W`` stops growing.
+* **Soft KV cap.** KV utilisation becomes a cap that tightens smoothly from the knee to full
+  (:func:`kv_soft_cap`), so admission slows before memory runs out instead of flipping between
+  admit and stop at a threshold.
+* **CPU cap from Little's law.** Tool concurrency = admitted sessions x tool-call rate per
+  session x mean tool duration; the cap is the session count that keeps that at
+  ``tool_cores * cpu_target_load`` (:func:`cpu_little_cap`), plus a backlog guard when tools
+  already exceed the cores.
+
+Time is passed in; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mars.policy.pressure import DualPressureState, PressureSignals
+
+
+@dataclass(slots=True)
+class AIMDConfig:
+    """Every parameter of UpdateWindow. Defaults and rationale: docs/control_plane.md."""
+
+    # --- window bounds and AIMD steps -------------------------------------------------
+    #: Floor of the window and of the final budget; >= 1 so one session can always run.
+    min_window: int = 1
+    #: Ceiling of the window and of the final budget.
+    max_window: int = 64
+    #: Window at start-up (before any evidence).
+    initial_window: float = 8.0
+    #: Sessions added per increase.
+    additive_increase: float = 1.0
+    #: Multiplicative decrease factor: W <- max(floor, min(W - 1, base * backoff_ratio)).
+    backoff_ratio: float = 0.75
+    #: Minimum time between two decreases (seconds): roughly how long it takes for a change
+    #: in admitted sessions to show in the signals (a few rounds of an agent session).
+    decrease_cooldown_s: float = 10.0
+    #: Healthy evaluations are taken at most once per this interval (seconds).
+    increase_interval_s: float = 2.0
+    #: Consecutive healthy evaluations needed before one additive increase.
+    healthy_ticks: int = 3
+    #: W grows only if in_use >= this fraction of W (no growth while the window is unused).
+    increase_min_utilisation: float = 0.75
+
+    # --- overload hysteresis (enter >= ; leave <=) ----------------------------------------
+    #: KV utilisation entering / leaving overload.
+    kv_enter: float = 0.95
+    kv_leave: float = 0.85
+    #: Preemptions within PressureConfig.preempt_window_s entering / leaving overload.
+    preempt_enter: float = 1
+    preempt_leave: float = 0
+    #: Engine waiting/running ratio entering / leaving (GPU compute) overload.
+    engine_queue_enter: float = 1.0
+    engine_queue_leave: float = 0.25
+    #: CPU load (active tools / tool cores) entering / leaving overload.
+    cpu_enter: float = 1.25
+    cpu_leave: float = 0.9
+    #: Tool slowdown (observed / baseline duration) entering / leaving overload.
+    slowdown_enter: float = 2.0
+    slowdown_leave: float = 1.3
+    #: Seconds a signal must stay at or above its enter threshold before overload is entered
+    #: (debounce of instantaneous readings). 0 for KV and preemptions: running out of memory
+    #: costs recomputation at once. The tool slowdown is already an EMA. CPU needs persistent
+    #: contention (the paper's rule), engine queueing a few steps' worth.
+    kv_persist_s: float = 0.0
+    preempt_persist_s: float = 0.0
+    engine_queue_persist_s: float = 2.0
+    cpu_persist_s: float = 5.0
+    slowdown_persist_s: float = 0.0
+
+    # --- KV soft cap ---------------------------------------------------------------------
+    #: Utilisation below which the KV cap does not bind.
+    kv_knee: float = 0.70
+    #: Shape p of the cap between knee and full: factor 1 - x**p, x = (u - knee)/(1 - knee).
+    #: p = 2 joins the flat part without a kink and tightens fastest near full.
+    kv_cap_exponent: float = 2.0
+    #: EMA weight of the per-session KV footprint (used_blocks / in_use) that converts the
+    #: pool into a session count for the top of the cap.
+    kv_footprint_alpha: float = 0.3
+
+    # --- CPU cap -------------------------------------------------------------------------
+    #: Target tool concurrency as a multiple of tool_cores (1.0 = one tool per core).
+    cpu_target_load: float = 1.0
+    #: Time constant (seconds) of the exponentially weighted tool-call rate per session.
+    cpu_rate_tau_s: float = 60.0
+    #: Admitted session-seconds needed before the rate estimate is trusted.
+    cpu_rate_min_session_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.min_window < 1:
+            raise ValueError("min_window must be >= 1 (the system must always make progress)")
+        if self.max_window < self.min_window:
+            raise ValueError("max_window must be >= min_window")
+        if not self.min_window <= self.initial_window <= self.max_window:
+            raise ValueError("initial_window must lie in [min_window, max_window]")
+        if not 0.5 <= self.backoff_ratio < 1.0:
+            raise ValueError("backoff_ratio must be in [0.5, 1)")
+        if self.additive_increase <= 0 or self.healthy_ticks < 1:
+            raise ValueError("additive_increase must be > 0 and healthy_ticks >= 1")
+        if not 0.0 <= self.increase_min_utilisation <= 1.0:
+            raise ValueError("increase_min_utilisation must be in [0, 1]")
+        for sig in ("kv", "preempt", "engine_queue", "cpu", "slowdown"):
+            enter, leave = getattr(self, f"{sig}_enter"), getattr(self, f"{sig}_leave")
+            if leave >= enter:
+                raise ValueError(f"{sig}_leave must be < {sig}_enter (hysteresis band)")
+            if getattr(self, f"{sig}_persist_s") < 0:
+                raise ValueError(f"{sig}_persist_s must be >= 0")
+        if not 0.0 <= self.kv_knee < 1.0 or self.kv_cap_exponent <= 0:
+            raise ValueError("kv_knee must be in [0, 1) and kv_cap_exponent > 0")
+        if self.cpu_target_load <= 0 or self.cpu_rate_tau_s <= 0:
+            raise ValueError("cpu_target_load and cpu_rate_tau_s must be > 0")
+
+
+# ---------------------------------------------------------------------------- pure caps
+def kv_soft_cap(utilisation: float | None, floor: float, ceiling: float, knee: float,
+                exponent: float = 2.0) -> float:
+    """Session cap from KV utilisation: ``ceiling`` up to the knee, ``floor`` at full.
+
+    Between them the cap is ``floor + (ceiling - floor) * (1 - x**exponent)`` with
+    ``x = (u - knee) / (1 - knee)``: continuous, monotone non-increasing in ``u``, strictly
+    between floor and ceiling inside (knee, 1). Unknown utilisation -> ``ceiling`` (no cap).
+    """
+    if utilisation is None or utilisation <= knee:
+        return float(max(ceiling, floor))
+    if utilisation >= 1.0 or ceiling <= floor:
+        return float(floor)
+    x = (utilisation - knee) / (1.0 - knee)
+    return floor + (ceiling - floor) * (1.0 - x ** exponent)
+
+
+def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: float | None,
+                   floor: float, ceiling: float, active_tools: int = 0,
+                   in_use: int = 0) -> float:
+    """Session cap that keeps expected tool concurrency at ``tool_cores * target_load``.
+
+    Little's law: concurrent tools = admitted sessions x ``tools_per_session`` (the tool-call
+    rate per session times the mean tool duration, i.e. the share of its time a session spends
+    in tools). The cap is ``capacity / tools_per_session``. Backlog guard: when the tools
+    already running exceed the capacity, the cap is also at most
+    ``in_use * capacity / active_tools`` (< in_use), so no session is admitted until the
+    backlog drains, however optimistic the long-run estimate is. Unknown share -> ceiling.
+    """
+    capacity = tool_cores * target_load
+    cap = float(ceiling)
+    if tools_per_session is not None and tools_per_session > 0:
+        cap = min(cap, capacity / tools_per_session)
+    if active_tools > capacity and in_use > 0:
+        cap = min(cap, in_use * capacity / active_tools)
+    return float(min(max(cap, floor), ceiling))
+
+
+# ---------------------------------------------------------------------------- hysteresis
+class Hysteresis:
+    """Latched overload flag with separate enter (>=) and leave (<=) thresholds.
+
+    Entering also needs the value to stay at or above ``enter`` for ``persist_s`` seconds
+    without interruption (a debounce: one instantaneous reading is not overload). Leaving is
+    immediate once the value is at or below ``leave``. An unknown value (None) releases the
+    latch: no data is no evidence of overload.
+    """
+
+    __slots__ = ("name", "enter", "leave", "persist_s", "on", "value", "_since")
+
+    def __init__(self, name: str, enter: float, leave: float, persist_s: float = 0.0) -> None:
+        self.name, self.enter, self.leave, self.persist_s = name, enter, leave, persist_s
+        self.on = False
+        self.value: float | None = None
+        self._since: float | None = None
+
+    def update(self, value: float | None, now: float = 0.0) -> bool:
+        self.value = value
+        if value is None:
+            self.on, self._since = False, None
+        elif value >= self.enter:
+            if self._since is None:
+                self._since = now
+            if now - self._since >= self.persist_s:
+                self.on = True
+        else:
+            self._since = None
+            if value <= self.leave:
+                self.on = False
+        return self.on
+
+    @property
+    def hot(self) -> bool:
+        """Latched and above the enter threshold now (not merely latched inside the band)."""
+        return self.on and self.value is not None and self.value >= self.enter
+
+    @property
+    def healthy(self) -> bool:
+        """At or below the leave threshold (or unknown) and not latched."""
+        return not self.on and (self.value is None or self.value <= self.leave)
+
+
+# ---------------------------------------------------------------------------- decision
+@dataclass(slots=True)
+class WindowDecision:
+    """Outcome of one UpdateWindow call; what the sidecar logs as ``window_update``."""
+
+    #: raw AIMD window W (float: additive steps may be fractional)
+    window: float
+    cpu_cap: float
+    kv_cap: float
+    #: admitted sessions allowed in total: clamp(floor(min(W, caps)), floor, ceiling)
+    budget: int
+    in_use: int
+    kv_overloaded: bool = False
+    compute_overloaded: bool = False
+    cpu_overloaded: bool = False
+    #: "increase" | "decrease" | "hold"
+    mode: str = "hold"
+    reason: str = ""
+    #: budget or window differ from the previous decision
+    changed: bool = False
+    healthy_streak: int = 0
+
+    @property
+    def overloaded(self) -> bool:
+        return self.kv_overloaded or self.compute_overloaded or self.cpu_overloaded
+
+    @property
+    def slots(self) -> int:
+        """New sessions that may be admitted now."""
+        return max(0, self.budget - self.in_use)
+
+
+@dataclass(slots=True)
+class _RateEstimator:
+    """Exponentially weighted tool calls per admitted session-second (time-decayed sums)."""
+
+    tau_s: float
+    starts_w: float = 0.0
+    session_s_w: float = 0.0
+    last_t: float | None = None
+    last_starts: int = 0
+    last_in_use: int = 0
+
+    def update(self, starts_total: int, in_use: int, now: float) -> None:
+        if self.last_t is None or starts_total < self.last_starts:
+            self.last_t, self.last_starts, self.last_in_use = now, starts_total, in_use
+            return
+        dt = now - self.last_t
+        if dt <= 0:
+            self.last_in_use = in_use
+            return
+        decay = math.exp(-dt / self.tau_s)
+        self.starts_w = self.starts_w * decay + (starts_total - self.last_starts)
+        # in_use held during the interval is the one seen at its start.
+        self.session_s_w = self.session_s_w * decay + self.last_in_use * dt
+        self.last_t, self.last_starts, self.last_in_use = now, starts_total, in_use
+
+    def rate(self, min_session_s: float) -> float | None:
+        # The decayed weight saturates at in_use * tau, so compare against the smaller of the
+        # warm-up requirement and what one session can ever accumulate.
+        need = min(min_session_s, 0.9 * self.tau_s)
+        if self.session_s_w < need or self.session_s_w <= 0:
+            return None
+        return self.starts_w / self.session_s_w
+
+
+class AdmissionController:
+    """UpdateWindow: AIMD on dual-pressure overload, clamped by the CPU and KV caps.
+
+    Stateful (window, latches, streak, timers); call :meth:`update` on every control step with
+    the current number of admitted sessions.
+    """
+
+    def __init__(self, config: AIMDConfig | None = None) -> None:
+        self.config = c = config or AIMDConfig()
+        self.window: float = float(c.initial_window)
+        self._kv = Hysteresis("kv", c.kv_enter, c.kv_leave, c.kv_persist_s)
+        self._preempt = Hysteresis("preempt", c.preempt_enter, c.preempt_leave,
+                                   c.preempt_persist_s)
+        self._queue = Hysteresis("engine_queue", c.engine_queue_enter, c.engine_queue_leave,
+                                 c.engine_queue_persist_s)
+        self._cpu = Hysteresis("cpu", c.cpu_enter, c.cpu_leave, c.cpu_persist_s)
+        self._slow = Hysteresis("slowdown", c.slowdown_enter, c.slowdown_leave,
+                                c.slowdown_persist_s)
+        self._latches = (self._kv, self._preempt, self._queue, self._cpu, self._slow)
+        self._streak = 0
+        self._last_eval: float | None = None
+        self._last_decrease: float = -math.inf
+        self._footprint: float | None = None
+        self._rate = _RateEstimator(c.cpu_rate_tau_s)
+        self._last: WindowDecision | None = None
+
+    @property
+    def last(self) -> WindowDecision | None:
+        return self._last
+
+    # ------------------------------------------------------------------ caps
+    def kv_cap(self, sig: PressureSignals, in_use: int) -> float:
+        """Soft KV cap; its top is the pool's capacity in sessions when that is estimable."""
+        c = self.config
+        if not sig.kv_known:
+            return float(c.max_window)
+        if in_use > 0 and sig.used_blocks and sig.used_blocks > 0:
+            per_session = max(1.0, sig.used_blocks / in_use)
+            self._footprint = per_session if self._footprint is None else \
+                self._footprint + c.kv_footprint_alpha * (per_session - self._footprint)
+        ceiling = float(c.max_window)
+        if self._footprint is not None and sig.total_blocks:
+            ceiling = min(ceiling, max(float(c.min_window), sig.total_blocks / self._footprint))
+        return kv_soft_cap(sig.kv_utilisation, c.min_window, ceiling, c.kv_knee,
+                           c.kv_cap_exponent)
+
+    def tools_per_session(self, sig: PressureSignals) -> float | None:
+        """Little's-law tool share: tool-call rate per session x EMA tool duration."""
+        rate = self._rate.rate(self.config.cpu_rate_min_session_s)
+        if rate is None or sig.tool_duration_ema is None:
+            return None
+        return rate * sig.tool_duration_ema
+
+    def cpu_cap(self, sig: PressureSignals, in_use: int) -> float:
+        c = self.config
+        return cpu_little_cap(sig.tool_cores, c.cpu_target_load, self.tools_per_session(sig),
+                              c.min_window, c.max_window, sig.active_tools, in_use)
+
+    # ------------------------------------------------------------------ UpdateWindow
+    def update(self, state: DualPressureState | PressureSignals, in_use: int,
+               now: float) -> WindowDecision:
+        """One control step. ``state`` may be a live state or a pre-taken snapshot."""
+        c = self.config
+        sig = state if isinstance(state, PressureSignals) else state.signals(now)
+        in_use = max(0, int(in_use))
+        self._rate.update(sig.tool_starts_total, in_use, now)
+        kv_cap = self.kv_cap(sig, in_use)
+        cpu_cap = self.cpu_cap(sig, in_use)
+
+        kv_over = self._kv.update(sig.kv_utilisation, now)
+        kv_over = self._preempt.update(float(sig.preemptions), now) or kv_over
+        compute_over = self._queue.update(sig.engine_queue_ratio, now)
+        cpu_over = self._cpu.update(sig.cpu_load, now)
+        cpu_over = self._slow.update(sig.tool_slowdown, now) or cpu_over
+        overloaded = kv_over or compute_over or cpu_over
+
+        if self._last_eval is None:
+            self._last_eval = now
+        evaluate = now - self._last_eval >= c.increase_interval_s
+        if evaluate:
+            self._last_eval = now
+
+        mode = "hold"
+        if overloaded:
+            self._streak = 0
+            hot = [h.name for h in self._latches if h.hot]
+            if not hot:
+                reason = "overload latched, signals inside hysteresis band: hold"
+            elif now - self._last_decrease < c.decrease_cooldown_s:
+                reason = f"overload ({','.join(hot)}) within decrease cooldown: hold"
+            elif in_use > self.window:
+                reason = (f"overload ({','.join(hot)}) but in_use {in_use} > window "
+                          f"{self.window:.2f}: previous decrease still draining")
+            else:
+                base = min(self.window, float(in_use)) if in_use > 0 else self.window
+                new = max(float(c.min_window), min(self.window - 1.0, base * c.backoff_ratio))
+                if new < self.window:
+                    mode = "decrease"
+                    reason = f"overload ({','.join(hot)}): {self.window:.2f} -> {new:.2f}"
+                    self.window = new
+                    self._last_decrease = now
+                else:
+                    reason = f"overload ({','.join(hot)}) at window floor"
+        elif not all(h.healthy for h in self._latches):
+            self._streak = 0
+            band = [h.name for h in self._latches if not h.healthy]
+            reason = f"above leave threshold, not (yet) overloaded ({','.join(band)}): hold"
+        else:
+            if evaluate:
+                self._streak = min(self._streak + 1, c.healthy_ticks)
+            if self._streak < c.healthy_ticks:
+                reason = f"healthy {self._streak}/{c.healthy_ticks}"
+            elif self.window >= c.max_window:
+                reason = "healthy at ceiling"
+            elif in_use < c.increase_min_utilisation * self.window:
+                reason = (f"healthy but under-used (in_use {in_use} < "
+                          f"{c.increase_min_utilisation:.2f} x window {self.window:.2f})")
+            else:
+                new = min(float(c.max_window), self.window + c.additive_increase)
+                mode = "increase"
+                reason = f"sustained health: {self.window:.2f} -> {new:.2f}"
+                self.window = new
+                self._streak = 0
+
+        raw = min(self.window, cpu_cap, kv_cap)
+        budget = int(min(max(math.floor(raw + 1e-9), c.min_window), c.max_window))
+        prev = self._last
+        decision = WindowDecision(
+            window=self.window, cpu_cap=cpu_cap, kv_cap=kv_cap, budget=budget, in_use=in_use,
+            kv_overloaded=kv_over, compute_overloaded=compute_over, cpu_overloaded=cpu_over,
+            mode=mode, reason=reason,
+            changed=prev is None or prev.budget != budget or prev.window != self.window,
+            healthy_streak=self._streak,
+        )
+        self._last = decision
+        return decision

@@ -1,0 +1,374 @@
+"""UpdateWindow (mars.policy.aimd) and the dual-pressure state it reads (mars.policy.pressure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mars.policy.aimd import (AdmissionController, AIMDConfig, Hysteresis, cpu_little_cap,
+                              kv_soft_cap)
+from mars.policy.events import make_event
+from mars.policy.pressure import DualPressureState, PressureConfig
+
+
+def kv(state: DualPressureState, ts: float, util: float, total: int = 1000, **kw) -> None:
+    free = round(total * (1.0 - util))
+    state.observe(make_event("kv_snapshot", ts=ts, total_blocks=total, free_blocks=free,
+                             used_blocks=total - free, **kw))
+
+
+def tools(state: DualPressureState, ts: float, n: int, prefix: str = "t") -> None:
+    for i in range(n):
+        state.observe(make_event("tool_start", session_id=f"{prefix}{i}", ts=ts, tool="bash",
+                                 call_id=f"{prefix}{i}"))
+
+
+# ------------------------------------------------------------------ pressure state
+def test_pressure_unknown_before_snapshot():
+    st = DualPressureState()
+    sig = st.signals(0.0)
+    assert sig.kv_utilisation is None and sig.kv_headroom is None and sig.free_blocks is None
+    assert not sig.kv_known
+    assert sig.active_tools == 0 and sig.cpu_load == 0.0
+    assert sig.tool_slowdown is None and sig.tool_duration_ema is None
+
+
+def test_pressure_tracks_kv_tools_and_preemptions():
+    st = DualPressureState(PressureConfig(tool_cores=4, preempt_window_s=10))
+    st.observe(make_event("kv_snapshot", ts=1.0, total_blocks=1000, free_blocks=250,
+                          used_blocks=700, pinned_blocks=50, running=4, waiting=2))
+    tools(st, 1.0, 3)
+    st.observe(make_event("tool_end", session_id="t0", ts=3.0, tool="bash", duration_s=2.0,
+                          call_id="t0"))
+    st.observe(make_event("preempt", ts=2.0, request_id="r", blocks=10))
+    sig = st.signals(5.0)
+    assert sig.kv_utilisation == pytest.approx(0.75)
+    assert sig.kv_headroom == pytest.approx(0.25)
+    assert sig.free_blocks == 250 and sig.pinned_blocks == 50
+    assert sig.engine_queue_ratio == pytest.approx(0.5)
+    assert sig.active_tools == 2 and sig.cpu_load == pytest.approx(0.5)
+    assert st.active_tools_of("t1") == 1 and st.active_tools_of("t0") == 0
+    assert sig.tool_duration_ema == pytest.approx(2.0)
+    assert sig.preemptions == 1
+    assert st.signals(12.5).preemptions == 0  # left the 10 s window
+
+
+def test_pressure_pinned_reclaimable_and_staleness():
+    st = DualPressureState(PressureConfig(pinned_reclaimable=1.0, kv_stale_s=30))
+    st.observe(make_event("kv_snapshot", ts=0.0, total_blocks=1000, free_blocks=200,
+                          used_blocks=800, pinned_blocks=200))
+    assert st.signals(1.0).kv_utilisation == pytest.approx(0.6)
+    assert st.signals(1.0).free_blocks == 400
+    assert st.signals(31.0).kv_utilisation is None  # stale -> unknown
+
+
+def test_pressure_robust_to_unmatched_and_malformed_events():
+    st = DualPressureState()
+    st.observe(make_event("tool_end", session_id="x", ts=1.0, tool="bash", duration_s=1.0))
+    assert st.active_tools == 0
+    assert st.observe({"kind": "kv_snapshot", "ts": 1.0}) is True  # missing fields -> zeros
+    assert st.observe({"kind": "tool_end", "ts": 1.0}) is False  # no duration -> ignored
+    assert st.ignored_events == 1
+    tools(st, 1.0, 2)
+    st.observe(make_event("tool_start", session_id="t0", ts=1.0, tool="bash", call_id="t0"))
+    assert st.active_tools == 2  # duplicate start with the same call id is ignored
+    st.observe(make_event("tool_num", ts=2.0, active=5))
+    assert st.active_tools == 5  # absolute resync
+    st.observe(make_event("session_end", session_id="t0", ts=3.0, reason="last_round"))
+    assert st.active_tools == 4
+
+
+def test_pressure_slowdown_per_tool_type():
+    st = DualPressureState(PressureConfig(slowdown_min_samples=3))
+    t = 0.0
+    for _ in range(5):  # baseline: bash 1 s, test 10 s
+        for tool, d in (("bash", 1.0), ("pytest", 10.0)):
+            st.observe(make_event("tool_end", session_id="s", ts=t, tool=tool, duration_s=d))
+    tools(st, t, 1)
+    assert st.signals(t).tool_slowdown == pytest.approx(1.0)  # mix alone is no slowdown
+    for _ in range(10):  # bash now takes 3 s
+        st.observe(make_event("tool_end", session_id="s", ts=t, tool="bash", duration_s=3.0))
+    assert st.signals(t).tool_slowdown > 2.0
+    assert st.tool_duration_of("bash") > 2.5 and st.tool_duration_of("pytest") == 10.0
+
+
+# ------------------------------------------------------------------ soft KV cap
+def test_kv_soft_cap_shape():
+    assert kv_soft_cap(None, 1, 64, 0.7) == 64
+    assert kv_soft_cap(0.5, 1, 64, 0.7) == 64
+    assert kv_soft_cap(0.7, 1, 64, 0.7) == 64
+    assert kv_soft_cap(0.85, 1, 64, 0.7, 2.0) == pytest.approx(1 + 63 * 0.75)
+    assert kv_soft_cap(1.0, 1, 64, 0.7) == 1
+    assert kv_soft_cap(1.2, 1, 64, 0.7) == 1
+    us = [i / 1000 for i in range(0, 1101)]
+    caps = [kv_soft_cap(u, 1, 64, 0.7) for u in us]
+    assert all(b <= a for a, b in zip(caps, caps[1:])), "must be monotone non-increasing"
+    for u, c in zip(us, caps):
+        if 0.701 <= u <= 0.999:
+            assert 1 < c < 64, (u, c)
+    # no jump anywhere: the cap is continuous (max step on a 0.001 grid is small)
+    assert max(a - b for a, b in zip(caps, caps[1:])) < 0.5
+
+
+def test_kv_cap_top_is_pool_capacity_in_sessions():
+    ctl = AdmissionController(AIMDConfig(max_window=64, kv_knee=0.7))
+    st = DualPressureState()
+    kv(st, 0.0, 0.5)  # 500 used blocks by 10 sessions -> 50 blocks each -> 20 sessions fit
+    d = ctl.update(st, in_use=10, now=0.0)
+    assert d.kv_cap == pytest.approx(20.0)
+    kv(st, 1.0, 0.85)
+    d = ctl.update(st, in_use=10, now=1.0)
+    assert 10 < d.kv_cap < 20
+
+
+# ------------------------------------------------------------------ CPU cap
+def test_cpu_cap_tightens_as_active_tools_exceed_cores():
+    caps = [cpu_little_cap(8, 1.0, None, 1, 64, active_tools=a, in_use=10) for a in range(0, 31)]
+    assert caps[:9] == [64.0] * 9  # at or under the cores: no backlog guard
+    assert caps[12] == pytest.approx(10 * 8 / 12)
+    assert caps[16] == pytest.approx(5.0)
+    assert all(b <= a for a, b in zip(caps, caps[1:]))
+    assert all(c < 10 for c in caps[9:])  # any excess stops admission (cap < in_use)
+    assert cpu_little_cap(8, 1.0, 0.5, 1, 64) == pytest.approx(16.0)
+    assert cpu_little_cap(8, 1.0, 0.01, 1, 64) == 64.0  # clamped to the ceiling
+    assert cpu_little_cap(8, 1.0, 100.0, 1, 64) == 1.0  # clamped to the floor
+
+
+def test_cpu_cap_follows_littles_law_from_rate_and_duration():
+    cfg = AIMDConfig(max_window=64, cpu_rate_tau_s=60, cpu_rate_min_session_s=30)
+    ctl = AdmissionController(cfg)
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    in_use = 10
+    # each of 10 sessions starts a tool every 10 s (1 start/s overall), each lasts 4 s
+    for t in range(0, 200):
+        sid = f"s{t % 10}"
+        st.observe(make_event("tool_start", session_id=sid, ts=t, tool="bash", call_id=str(t)))
+        st.observe(make_event("tool_end", session_id=sid, ts=t + 0.5, tool="bash",
+                              duration_s=4.0, call_id=str(t)))
+        d = ctl.update(st, in_use, float(t) + 0.5)
+    assert ctl.tools_per_session(st.signals(200.0)) == pytest.approx(0.4, rel=0.05)
+    assert d.cpu_cap == pytest.approx(20.0, rel=0.05)
+    # tools get twice as slow -> the cap halves
+    for t in range(200, 400):
+        sid = f"s{t % 10}"
+        st.observe(make_event("tool_start", session_id=sid, ts=t, tool="bash", call_id=str(t)))
+        st.observe(make_event("tool_end", session_id=sid, ts=t + 0.5, tool="bash",
+                              duration_s=8.0, call_id=str(t)))
+        d = ctl.update(st, in_use, float(t) + 0.5)
+    assert d.cpu_cap == pytest.approx(10.0, rel=0.05)
+
+
+# ------------------------------------------------------------------ AIMD
+def test_decrease_on_kv_overload():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, backoff_ratio=0.75))
+    st = DualPressureState()
+    kv(st, 0.0, 0.97)
+    d = ctl.update(st, in_use=8, now=0.0)
+    assert d.mode == "decrease" and d.window == pytest.approx(6.0)
+    assert d.kv_overloaded and not d.cpu_overloaded and not d.compute_overloaded
+    assert d.budget <= 6 and d.slots == 0
+
+
+def test_decrease_on_cpu_overload():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, backoff_ratio=0.75, cpu_persist_s=5))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    tools(st, 0.0, 11)  # load 1.375 >= cpu_enter 1.25
+    d = ctl.update(st, in_use=8, now=0.0)
+    assert d.mode == "hold" and not d.cpu_overloaded  # not yet persistent
+    assert d.cpu_cap < 8 and d.slots == 0  # but the backlog guard already stops admission
+    assert ctl.update(st, in_use=8, now=4.9).mode == "hold"
+    d = ctl.update(st, in_use=8, now=5.0)
+    assert d.mode == "decrease" and d.window == pytest.approx(6.0)
+    assert d.cpu_overloaded and not d.kv_overloaded
+
+
+def test_transient_cpu_spike_does_not_decrease():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, cpu_persist_s=5))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    for t in range(0, 60):
+        n = 12 if t % 4 == 0 else 4  # a 1 s burst above cpu_enter every 4 s
+        st.observe(make_event("tool_num", ts=float(t), active=n))
+        d = ctl.update(st, in_use=8, now=float(t))
+        assert d.window == 8.0 and not d.cpu_overloaded
+
+
+def test_decrease_on_preemption_and_engine_queue():
+    ctl = AdmissionController(AIMDConfig(initial_window=8))
+    st = DualPressureState()
+    st.observe(make_event("preempt", ts=0.0, request_id="r", blocks=4))
+    d = ctl.update(st, in_use=8, now=0.0)
+    assert d.mode == "decrease" and d.kv_overloaded
+    ctl2 = AdmissionController(AIMDConfig(initial_window=8, engine_queue_persist_s=2))
+    st2 = DualPressureState()
+    kv(st2, 0.0, 0.5, running=4, waiting=8)
+    assert ctl2.update(st2, in_use=8, now=0.0).mode == "hold"
+    kv(st2, 2.0, 0.5, running=4, waiting=8)
+    d2 = ctl2.update(st2, in_use=8, now=2.0)
+    assert d2.mode == "decrease" and d2.compute_overloaded and not d2.kv_overloaded
+
+
+def test_decrease_takes_operating_point_not_unused_window():
+    ctl = AdmissionController(AIMDConfig(initial_window=20, backoff_ratio=0.75))
+    st = DualPressureState()
+    kv(st, 0.0, 0.97)
+    d = ctl.update(st, in_use=8, now=0.0)
+    assert d.window == pytest.approx(6.0)  # 0.75 * min(20, 8)
+
+
+def test_decreases_are_rate_limited_and_wait_for_drain():
+    cfg = AIMDConfig(initial_window=8, backoff_ratio=0.75, decrease_cooldown_s=10)
+    ctl = AdmissionController(cfg)
+    st = DualPressureState()
+    kv(st, 0.0, 0.97)
+    windows = []
+    for t in range(0, 31, 5):  # in_use 0: nothing drains, only the cooldown limits
+        kv(st, float(t), 0.97)
+        windows.append(ctl.update(st, in_use=0, now=float(t)).window)
+    assert windows == pytest.approx([6.0, 6.0, 4.5, 4.5, 3.375, 3.375, 2.375])
+    # drain rule: with 8 sessions still admitted above a window of 6, no second cut
+    ctl = AdmissionController(cfg)
+    assert ctl.update(st, in_use=8, now=30.0).window == pytest.approx(6.0)
+    d = ctl.update(st, in_use=8, now=45.0)
+    assert d.mode == "hold" and d.window == pytest.approx(6.0) and "draining" in d.reason
+    d = ctl.update(st, in_use=6, now=46.0)
+    assert d.mode == "decrease" and d.window == pytest.approx(4.5)
+
+
+def test_window_and_budget_never_below_floor():
+    ctl = AdmissionController(AIMDConfig(initial_window=4, min_window=1,
+                                         decrease_cooldown_s=1))
+    st = DualPressureState()
+    for t in range(50):
+        kv(st, float(t), 1.0)
+        d = ctl.update(st, in_use=0, now=float(t))
+    assert d.window == 1.0 and d.budget == 1 and d.slots == 1
+
+
+def test_no_growth_while_under_used():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, healthy_ticks=3,
+                                         increase_interval_s=2, increase_min_utilisation=0.75))
+    st = DualPressureState()
+    kv(st, 0.0, 0.3)
+    for t in range(0, 121, 2):
+        kv(st, float(t), 0.3)
+        d = ctl.update(st, in_use=5, now=float(t))  # 5 < 0.75 * 8
+        assert d.window == 8.0 and d.mode == "hold"
+    assert "under-used" in d.reason
+
+
+def test_growth_after_sustained_health_when_used():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, healthy_ticks=3,
+                                         increase_interval_s=2, additive_increase=1))
+    st = DualPressureState()
+    trace = []
+    for t in range(0, 13, 2):
+        kv(st, float(t), 0.3)
+        d = ctl.update(st, in_use=math.floor(ctl.window), now=float(t))
+        trace.append((d.window, d.mode))
+    assert trace == [(8.0, "hold"), (8.0, "hold"), (8.0, "hold"), (9.0, "increase"),
+                     (9.0, "hold"), (9.0, "hold"), (10.0, "increase")]
+
+
+def test_growth_rate_independent_of_call_rate():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, healthy_ticks=3,
+                                         increase_interval_s=2))
+    st = DualPressureState()
+    kv(st, 0.0, 0.3)
+    windows = [ctl.update(st, in_use=8, now=i / 10).window for i in range(0, 61)]
+    assert windows[59] == 8.0 and windows[60] == 9.0
+    assert windows.count(9.0) == 1
+
+
+def test_growth_stops_at_ceiling_and_resets_on_band():
+    ctl = AdmissionController(AIMDConfig(initial_window=9, max_window=10, healthy_ticks=1,
+                                         increase_interval_s=1))
+    st = DualPressureState()
+    kv(st, 0.0, 0.3)
+    for t in range(10):
+        d = ctl.update(st, in_use=10, now=float(t))
+    assert d.window == 10.0 and d.budget == 10 and d.reason == "healthy at ceiling"
+
+
+def test_no_toggling_inside_kv_band():
+    cfg = AIMDConfig(initial_window=8, kv_enter=0.95, kv_leave=0.85)
+    ctl = AdmissionController(cfg)
+    st = DualPressureState()
+    decisions = []
+    for i in range(200):
+        u = 0.87 if i % 2 else 0.93
+        kv(st, float(i), u)
+        decisions.append(ctl.update(st, in_use=8, now=float(i)))
+    assert {d.window for d in decisions} == {8.0}
+    assert {d.mode for d in decisions} == {"hold"}
+    assert {d.kv_overloaded for d in decisions} == {False}
+    assert {d.slots for d in decisions} == {0}
+
+    # Same oscillation after entering overload: one decrease, then a constant hold.
+    ctl = AdmissionController(cfg)
+    kv(st, 1000.0, 0.97)
+    first = ctl.update(st, in_use=6, now=1000.0)
+    assert first.mode == "decrease" and first.window == pytest.approx(4.5)
+    later = []
+    for i in range(1, 200):
+        kv(st, 1000.0 + i, 0.87 if i % 2 else 0.93)
+        later.append(ctl.update(st, in_use=4, now=1000.0 + i))
+    assert {d.window for d in later} == {4.5}
+    assert {d.mode for d in later} == {"hold"}
+    assert {d.kv_overloaded for d in later} == {True}  # latched until below 0.85
+    assert {d.slots for d in later} == {0}
+    kv(st, 1300.0, 0.80)
+    assert not ctl.update(st, in_use=4, now=1300.0).kv_overloaded
+
+
+def test_no_toggling_inside_cpu_band():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, cpu_enter=1.25, cpu_leave=0.9))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    tools(st, 0.0, 8)
+    decisions = []
+    for i in range(200):
+        # 8 <-> 9 active tools: load 1.0 <-> 1.125, inside (0.9, 1.25)
+        if i % 2:
+            st.observe(make_event("tool_start", session_id="x", ts=float(i), tool="bash",
+                                  call_id=f"x{i}"))
+        else:
+            st.observe(make_event("tool_end", session_id="x", ts=float(i), tool="bash",
+                                  duration_s=0.5, call_id=f"x{i - 1}"))
+        decisions.append(ctl.update(st, in_use=8, now=float(i)))
+    assert {d.window for d in decisions} == {8.0}
+    assert {d.mode for d in decisions} == {"hold"}
+    assert {d.cpu_overloaded for d in decisions} == {False}
+    assert {d.slots for d in decisions} == {0}
+
+
+def test_budget_is_min_of_window_and_caps():
+    ctl = AdmissionController(AIMDConfig(initial_window=8, max_window=64))
+    st = DualPressureState()
+    d = ctl.update(st, in_use=0, now=0.0)  # nothing known: only the window limits
+    assert (d.kv_cap, d.cpu_cap, d.budget, d.slots) == (64.0, 64.0, 8, 8)
+    kv(st, 1.0, 0.9)  # 900 blocks over 3 sessions -> 300 each -> pool holds 3.33
+    d = ctl.update(st, in_use=3, now=1.0)
+    assert d.kv_cap < 3 and d.budget == math.floor(d.kv_cap) and d.slots == 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        AIMDConfig(min_window=0)
+    with pytest.raises(ValueError):
+        AIMDConfig(kv_enter=0.8, kv_leave=0.9)
+    with pytest.raises(ValueError):
+        AIMDConfig(initial_window=100, max_window=64)
+    with pytest.raises(ValueError):
+        AIMDConfig(backoff_ratio=1.0)
+    with pytest.raises(ValueError):
+        AIMDConfig(cpu_persist_s=-1)
+
+
+def test_hysteresis_latch():
+    h = Hysteresis("x", enter=1.0, leave=0.5)
+    assert [h.update(v) for v in (0.7, 1.0, 0.7, 0.6, 0.5, 0.7, None)] == \
+        [False, True, True, True, False, False, False]
+    p = Hysteresis("p", enter=1.0, leave=0.5, persist_s=3.0)
+    seq = [(0, 1.2), (2, 1.2), (2.5, 0.8), (3, 1.2), (5.9, 1.5), (6, 1.1), (7, 0.7), (8, 0.5)]
+    assert [p.update(v, t) for t, v in seq] == \
+        [False, False, False, False, False, True, True, False]
