@@ -1,0 +1,215 @@
+"""``mars workloads generate|stats|validate|import``: the trace tools on the command line.
+
+``mars/cli.py`` calls :func:`register` on its subparsers; every leaf command sets ``func`` to
+a handler taking the parsed namespace and returning an exit code (0 ok, 1 bad trace or
+arguments). ``python3 -m mars.workloads.cli ...`` runs the same commands standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .generator import REGIMES, generate
+from .importer import import_file
+from .stats import format_stats, trace_stats
+from .trace import TraceError, read_trace, write_trace
+
+
+def _regime_help() -> str:
+    return "; ".join(
+        f"{r.name}: mean prompt volume {r.target_mean_volume / 1000:g}K, context {r.context_limit}"
+        for r in REGIMES.values()
+    )
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {s})")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {s})")
+    return v
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        trace = generate(
+            args.regime,
+            num_tasks=args.num_tasks,
+            duration_s=args.duration,
+            rate=args.rate,
+            seed=args.seed,
+            scale=args.scale,
+            time_scale=args.time_scale,
+            context_limit=args.context_limit,
+        )
+    except ValueError as e:
+        print(f"mars workloads generate: {e}", file=sys.stderr)
+        return 1
+    write_trace(trace, args.output)
+    p = trace.header.params
+    print(
+        f"wrote {args.output}: {trace.header.regime}, {len(trace)} tasks, "
+        f"{sum(t.num_rounds for t in trace)} rounds, mean prompt volume "
+        f"{p['sample_mean_prompt_volume']:,.0f} at full scale (target {p['target_mean_prompt_volume']:,.0f}, "
+        f"theta {p['theta']:.3f}), scale {args.scale:g}, time scale {args.time_scale:g}"
+    )
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.file)
+    except TraceError as e:
+        print(f"invalid trace: {e}", file=sys.stderr)
+        return 1
+    s = trace_stats(trace)
+    print(json.dumps(s.to_dict(), indent=2) if args.json else format_stats(s))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.file)
+    except TraceError as e:
+        print(f"invalid trace: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"ok: {args.file}: {trace.header.regime}, {len(trace)} tasks, "
+        f"{sum(t.num_rounds for t in trace)} rounds (schema version {trace.header.version})"
+    )
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    try:
+        res = import_file(
+            args.input,
+            prefix_tokens=args.prefix_tokens,
+            template_tokens=args.template_tokens,
+            clamp=args.clamp,
+            rate=args.rate,
+            seed=args.seed,
+            regime=args.regime,
+        )
+    except (TraceError, ValueError) as e:
+        print(f"cannot import: {e}", file=sys.stderr)
+        return 1
+    write_trace(res.trace, args.output)
+    notes = []
+    if res.clamped:
+        notes.append(f"{res.clamped} shrinking transitions clamped")
+    if res.untooled:
+        notes.append(f"{res.untooled} non-final calls without a tool (tool 'unknown')")
+    if res.dropped_final_tools:
+        notes.append(f"{res.dropped_final_tools} tools after a last call dropped")
+    arr = "from start_s" if res.used_timestamps else f"Poisson at {args.rate}/s, seed {args.seed}"
+    print(
+        f"wrote {args.output}: {res.sessions} tasks from {res.calls} calls, arrivals {arr}"
+        + (f"; {'; '.join(notes)}" if notes else "")
+    )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``workloads`` command group to a parent parser's subparsers."""
+    wl = subparsers.add_parser(
+        "workloads",
+        help="generate, inspect, validate and import agent traces",
+        description="Agent workload traces (versioned JSONL; schema in docs/workloads.md).",
+    )
+    sub = wl.add_subparsers(dest="workloads_command", metavar="COMMAND", required=True)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate a seeded synthetic trace for a regime",
+        description=(
+            "Generate a seeded OpenHands-style agent trace. Tasks are drawn from a 20k-task pool "
+            "tilted so the mean prompt volume per task hits the regime's target; arrivals are "
+            "Poisson. Regimes: " + _regime_help() + ". S-ILR targets are our choice (the paper "
+            "gives none)."
+        ),
+    )
+    g.add_argument("regime", metavar="REGIME", help=f"one of {', '.join(REGIMES)} (case-insensitive)")
+    g.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
+    n = g.add_mutually_exclusive_group(required=True)
+    n.add_argument("--num-tasks", type=_positive_int, metavar="N", help="number of tasks")
+    n.add_argument(
+        "--duration", type=_positive_float, metavar="S",
+        help="all arrivals within S seconds of nominal (uncompressed) time",
+    )
+    g.add_argument("--rate", type=_positive_float, default=0.2, metavar="R",
+                   help="Poisson arrival rate, tasks/s of nominal time (default 0.2)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument(
+        "--scale", type=_positive_float, default=1.0, metavar="F",
+        help="divide every token count by F for small models (rounds, tools and times are kept; default 1)",
+    )
+    g.add_argument(
+        "--time-scale", type=_positive_float, default=1.0, metavar="T",
+        help="divide tool durations and arrival times by T (effective rate R*T; default 1)",
+    )
+    g.add_argument(
+        "--context-limit", type=_positive_int, default=None, metavar="TOKENS",
+        help="full-scale context limit tasks are cut at (default: the regime's, 262144 or 131072)",
+    )
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("stats", help="summary statistics of a trace",
+                       description="Print summary statistics of a trace (validates it first).")
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    s.set_defaults(func=cmd_stats)
+
+    v = sub.add_parser("validate", help="check a trace file against the schema",
+                       description="Check a trace file; on error print FILE:LINE: problem and exit 1.")
+    v.add_argument("file", metavar="FILE")
+    v.set_defaults(func=cmd_validate)
+
+    i = sub.add_parser(
+        "import",
+        help="convert a recorded agent trajectory (one LLM call per line) into a trace",
+        description=(
+            "Convert a recording (JSONL, one LLM call per line: session_id, prompt_tokens, "
+            "output_tokens, optional call_index, tool, tool_duration_s, observation_tokens, "
+            "start_s) into a trace. See docs/workloads.md."
+        ),
+    )
+    i.add_argument("input", metavar="IN", help="recording file")
+    i.add_argument("-o", "--output", required=True, metavar="OUT", help="trace file to write")
+    i.add_argument("--prefix-tokens", type=int, default=0, metavar="N",
+                   help="tokens of each first prompt that are the shared prefix (default 0: unknown)")
+    i.add_argument("--template-tokens", type=int, default=10, metavar="N",
+                   help="template share of each prompt growth when observation_tokens is absent (default 10)")
+    i.add_argument("--clamp", action="store_true",
+                   help="accept recordings whose context shrank (clamp growth to 0) instead of failing")
+    i.add_argument("--rate", type=_positive_float, default=0.2, metavar="R",
+                   help="Poisson rate for arrivals when the recording has no start_s (default 0.2)")
+    i.add_argument("--seed", type=int, default=0, help="seed for those arrivals (default 0)")
+    i.add_argument("--regime", default="imported", help="label written in the header (default 'imported')")
+    i.set_defaults(func=cmd_import)
+    return wl
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry: ``python3 -m mars.workloads.cli workloads generate ...`` or without
+    the leading ``workloads``."""
+    parser = argparse.ArgumentParser(prog="mars")
+    register(parser.add_subparsers(dest="command", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] != "workloads" and argv[0] not in ("-h", "--help"):
+        argv = ["workloads", *argv]
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
