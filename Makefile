@@ -1,0 +1,17 @@
+# The two commands a fresh machine needs (see README): `make demo` and `make test`.
+.PHONY: demo test setup setup-agents unit
+
+setup:
+	@bash scripts/setup.sh
+
+setup-agents:
+	@bash scripts/setup_agents.sh
+
+demo: setup
+	.venv/bin/mars demo
+
+test: setup setup-agents
+	bash scripts/run_tests.sh
+
+unit: setup
+	.venv/bin/python -m pytest -q -m "not engine" --ignore=tests/agents

@@ -1,0 +1,98 @@
+"""Start and stop a ``mars-vllm serve`` process: shared by the tests, ``mars bench`` and the
+demo so that they all run the server exactly as a user would (a real subprocess, real HTTP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    """The console script next to the running interpreter (works inside .venv without PATH)."""
+    cand = Path(sys.executable).with_name(name)
+    return str(cand) if cand.exists() else name
+
+
+@dataclass
+class ServerProcess:
+    """A ``mars-vllm serve`` subprocess. Use as a context manager."""
+
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    startup_timeout_s: float = 300.0
+    log_path: str | None = None
+    events_file: str | None = None
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        self.port = self.port or free_port()
+        workdir = tempfile.mkdtemp(prefix="mars-server-")
+        self.log_path = self.log_path or os.path.join(workdir, "server.log")
+        self.events_file = self.events_file or os.path.join(workdir, "events.jsonl")
+        cmd = [_bin("mars-vllm"), "serve", *self.args, "--host", "127.0.0.1",
+               "--port", str(self.port), "--mars-events-file", self.events_file]
+        env = dict(os.environ, **(self.env or {}))
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mars-vllm serve exited with {self.proc.returncode}; "
+                                   f"last log lines:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"mars-vllm serve not ready in {self.startup_timeout_s}s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,57 @@
+"""Architecture rules: vLLM is touched only by mars/vllm_patches; the policy layer and the agent
+integration stay importable without vLLM; one top-level import name is installed."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "mars"
+
+
+def _imported_roots(path: pathlib.Path) -> set[str]:
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add((node.module or "").split(".")[0])
+    return roots
+
+
+def _files(sub: str = ""):
+    return sorted((PKG / sub).rglob("*.py"))
+
+
+def test_vllm_is_imported_only_in_the_adapter_package():
+    offenders = [str(p.relative_to(ROOT)) for p in _files()
+                 if "vllm" in _imported_roots(p) and "vllm_patches" not in p.parts]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("sub,banned", [
+    ("policy", {"vllm", "fastapi", "starlette", "uvicorn", "openhands", "torch", "zmq"}),
+    ("openhands_integration", {"vllm", "torch", "fastapi"}),
+    ("workloads", {"vllm", "torch", "openhands"}),
+])
+def test_layer_is_framework_free(sub, banned):
+    bad = {str(p.relative_to(ROOT)): _imported_roots(p) & banned for p in _files(sub)}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_single_top_level_package():
+    """pyproject packages only ``mars*``; check nothing else would be picked up either."""
+    import tomllib
+
+    import setuptools
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = cfg["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = setuptools.find_packages(str(ROOT), include=include)
+    assert found and {p.split(".")[0] for p in found} == {"mars"}
+    from importlib.metadata import distribution
+
+    assert distribution("mars-serve").read_text("top_level.txt").split() in (["mars"], None)
