@@ -130,6 +130,14 @@ def test_price_is_near_zero_when_free_and_steep_under_pressure():
     assert price(kv(free=5_000, waiting=6_000)) == pytest.approx((0.99 / 0.01) ** 2 / TOTAL)
 
 
+def test_price_is_zero_below_the_knee_and_rescaled_above_it():
+    price = lambda k: block_price(k, 1.0, 2.0, 0.99, free_knee=0.5)  # noqa: E731
+    assert price(kv(free=6_000)) == 0.0               # 40% spoken for
+    assert price(kv(free=5_000)) == 0.0               # exactly at the knee
+    assert price(kv(free=2_500)) == pytest.approx(1.0 / TOTAL)   # half-way from knee to full
+    assert price(kv(free=5_000, waiting=2_500)) == pytest.approx(1.0 / TOTAL)
+
+
 # ---------------------------------------------------------------------- the rule
 
 
@@ -176,9 +184,9 @@ def test_more_short_samples_larger_tau():
 
 def test_evidence_of_short_tool_beats_prior_under_pressure():
     prior_only = CostBenefitRetention()
-    assert prior_only.admit(cand(), kv(free=2_000), now=0.0) == 0.0
+    assert prior_only.admit(cand(), kv(free=1_000), now=0.0) == 0.0   # 90% spoken for
     pol = _policy_with({"t": [0.5] * 50})
-    assert pol.admit(cand(), kv(free=2_000), now=0.0) == 0.5
+    assert pol.admit(cand(), kv(free=1_000), now=0.0) == 0.5
 
 
 def test_long_tools_are_not_pinned():
@@ -189,7 +197,7 @@ def test_long_tools_are_not_pinned():
 
 def test_bigger_recompute_justifies_pin():
     pol = _policy_with({"t": [3.0] * 20})
-    k = kv(free=2_500)
+    k = kv(free=1_250)
     assert pol.admit(cand(), k, now=0.0) == 0.0
     pol.observe_prefill(1_000, 1.0)                # prefill 10x slower than assumed
     assert pol.admit(cand(), k, now=0.0) == 4.0

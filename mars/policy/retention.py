@@ -11,7 +11,8 @@ burst arrives, and a tool that has outlived its peers stops holding memory.
 Rule (``CostBenefitRetention``), for a candidate with ``B`` blocks and ``C`` context tokens::
 
     R          = C / prefill_tokens_per_s                       # recompute time, s
-    rho        = min(rho_cap, (total - free + waiting_demand) / total)
+    spoken     = (total - free + waiting_demand) / total
+    rho        = min(rho_cap, max(0, spoken - free_knee) / (1 - free_knee))
     price      = price_scale * (rho / (1 - rho)) ** pressure_exponent / total   # per block-s
     net(tau)   = P(D <= tau) * R  -  B * tau * price
     tau*       = argmax_{tau in grid, tau <= max_tau_s} net(tau)   (0 if no net(tau) > 0)
@@ -20,8 +21,10 @@ Rule (``CostBenefitRetention``), for a candidate with ``B`` blocks and ``C`` con
 ``P(D <= e + x | D > e)``, over the remaining horizon ``x <= tau* - e`` and the *current*
 price; it returns False once no horizon has a positive net, or ``tau*`` has passed.
 
-Why this price: ``rho`` is the fraction of the pool that is spoken for (in use, pinned, or
-wanted by queued calls). ``rho/(1-rho)`` is ~0 on an idle pool, 1 at half use, and diverges as
+Why this price: ``spoken`` is the fraction of the pool that is spoken for (in use, pinned, or
+wanted by queued calls). Below ``free_knee`` the free pool covers every demand with margin, so
+a held block delays nobody and costs nothing; above it ``rho`` rescales the remaining headroom
+to [0, 1) and ``rho/(1-rho)`` is ~0 just past the knee, 1 half-way to full, and diverges as
 free blocks run out or as queued demand approaches the free blocks -- the usual congestion
 shape. Dividing by ``total`` makes ``price_scale`` a per-pool quantity: holding the whole pool
 for one second at ``rho = 0.5`` costs ``price_scale`` seconds of others' latency. Because both
@@ -190,6 +193,8 @@ class RetentionConfig:
     pressure_exponent: float = 2.0
     #: rho is clamped here so the price stays finite (at 0.99 it is ~9.8e3 x price_scale)
     rho_cap: float = 0.99
+    #: fraction of the pool that may be spoken for before holding memory costs anything
+    free_knee: float = 0.5
     #: candidate pin durations, seconds
     tau_grid_s: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
     max_tau_s: float = 60.0
@@ -205,12 +210,14 @@ class RetentionConfig:
             raise ValueError("rho_cap must be in (0, 1)")
 
 
-def block_price(kv: KvPressure, price_scale: float, exponent: float, rho_cap: float) -> float:
+def block_price(kv: KvPressure, price_scale: float, exponent: float, rho_cap: float,
+                free_knee: float = 0.0) -> float:
     """Price of holding one block for one second, in seconds of benefit (module docstring)."""
     total = kv.total_blocks
     if total <= 0:
         return math.inf
-    rho = (total - kv.free_blocks + max(0, kv.waiting_demand_blocks)) / total
+    spoken = (total - kv.free_blocks + max(0, kv.waiting_demand_blocks)) / total
+    rho = (spoken - free_knee) / (1.0 - free_knee)
     if rho <= 0:
         return 0.0
     rho = min(rho, rho_cap)
@@ -249,7 +256,8 @@ class CostBenefitRetention:
     # ------------------------------------------------------------------ rule
     def price(self, kv: KvPressure) -> float:
         cfg = self.config
-        return block_price(kv, cfg.price_scale, cfg.pressure_exponent, cfg.rho_cap)
+        return block_price(kv, cfg.price_scale, cfg.pressure_exponent, cfg.rho_cap,
+                           cfg.free_knee)
 
     def net_gain(self, cand: PinCandidate, kv: KvPressure, tau: float,
                  elapsed: float = 0.0) -> float:
