@@ -9,6 +9,8 @@ Factories, not instances, because policies are stateful and every engine needs i
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,3 +74,21 @@ def get_policy(name: str) -> PolicySpec:
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None
+
+
+def with_config(policy, overrides: dict | None):
+    """The same policy class rebuilt with some config fields overridden (``--mars-config``).
+
+    Raises ``ValueError`` naming the bad field, so the CLI can reject a typo before the
+    engine starts.
+    """
+    if not overrides:
+        return policy
+    cfg = getattr(policy, "config", None)
+    if not dataclasses.is_dataclass(cfg):
+        raise ValueError(f"policy {policy.name!r} has no tunable parameters")
+    try:
+        return type(policy)(dataclasses.replace(cfg, **overrides))
+    except TypeError as exc:
+        fields = ", ".join(f.name for f in dataclasses.fields(cfg))
+        raise ValueError(f"{exc}; valid fields of {type(cfg).__name__}: {fields}") from None
