@@ -127,7 +127,9 @@ def _run_all(policy: str) -> dict:
         assert probe.status_code == 200
         time.sleep(0.5)  # events flush
         out["events"] = read_events(srv.events_file)
-        print(f"\n{policy}: hol={out['hol']} live_ttft={out['live']['ttft']:.2f}s")
+        frac = _round_cache_fraction(out["events"], out["ret_session"], 1)
+        print(f"\n{policy}: hol={out['hol']} round-2 cached={frac:.2f} "
+              f"live_ttft={out['live']['ttft']:.2f}s")
     return out
 
 

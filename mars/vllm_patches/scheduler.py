@@ -88,6 +88,9 @@ class _MarsSchedulerMixin:
         self._mars_pool = pool
         self._mars_total_blocks = pool.num_gpu_blocks - 1  # the null block is never handed out
         self._mars_pins = PinTable(pool)
+        # optional feeds some retention rules use (Continuum-Dy)
+        self._mars_queue_delay_sink = getattr(self.mars_retention, "observe_queue_delay", None)
+        self._mars_session_sink = getattr(self.mars_retention, "observe_session", None)
         # per-request state (dropped at finish)
         self._mars_meta: dict[str, SessionMeta] = {}
         self._mars_cached: dict[str, int] = {}
@@ -131,11 +134,12 @@ class _MarsSchedulerMixin:
         return meta
 
     def _mars_blocks_of(self, request_id: str) -> int:
+        # the first (full-attention) group's block list, without building id lists
         try:
-            groups = self.kv_cache_manager.get_block_ids(request_id)
-        except Exception:
+            mgr = self.kv_cache_manager.coordinator.single_type_managers[0]
+            return len(mgr.req_to_blocks.get(request_id, ()))
+        except (AttributeError, IndexError):
             return 0
-        return len(groups[0]) if groups else 0
 
     def _mars_view(self, r: Request, now: float) -> CallView:
         rid = r.request_id
@@ -279,14 +283,22 @@ class _MarsSchedulerMixin:
                     pin = self._mars_pins.get(meta.job_id)
                     if pin is not None and pin.resumed_by == rid:
                         self._mars_unpin(meta.job_id, "resumed", now)
+                    elif meta.round and self._mars_queue_delay_sink is not None:
+                        # a later round that found no pin: its queueing delay is what an
+                        # eviction costs (Continuum-Dy's T-bar)
+                        req = self.requests.get(rid)
+                        if req is not None:
+                            self._mars_queue_delay_sink(max(now - req.arrival_time, 0.0))
         return out
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,
                                    num_new_tokens: int) -> int:
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        prefill = num_computed_tokens < request.num_prompt_tokens
+        if not prefill and not self._mars_pins.pinned_blocks:
+            return n  # decodes: nothing to yield or shrink, no pin to reclaim (hot path)
         if n <= 0 or request.status != RequestStatus.RUNNING:
             return n  # waiting/preempted: admission keeps vLLM's full-prompt check
-        prefill = num_computed_tokens < request.num_prompt_tokens
         if prefill and self._mars_order_on and self._mars_wkeys:
             n = self._mars_yield(request, num_computed_tokens, n)
         bs = self.block_size
@@ -458,6 +470,8 @@ class _MarsSchedulerMixin:
         if meta.job_id is not None:
             if meta.last_round:
                 self._mars_round_end.pop(meta.job_id, None)
+                if self._mars_session_sink is not None and meta.round is not None:
+                    self._mars_session_sink(meta.round + 1)
             else:
                 self._mars_round_end[meta.job_id] = (now, meta.next_tool)
                 if len(self._mars_round_end) > 4096:

@@ -1,0 +1,168 @@
+"""The mars scheduler on vLLM's real Scheduler and KV manager, with synthetic model outputs.
+
+Memory pressure on a live server depends on timing; here it is exact: the same requests
+arrive at the same steps for every policy, so preemption counts compare like for like.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from mars.vllm_patches import schedbench  # noqa: E402
+
+BS = schedbench.BLOCK_SIZE
+
+
+class Sim:
+    """Steps one scheduler; requests arrive at given steps; outputs are synthetic tokens."""
+
+    def __init__(self, policy: str, num_blocks: int, budget: int, tmp_path, **mars) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        self.events_file = str(tmp_path / f"{policy}.jsonl")
+        vc = schedbench.build_vllm_config(policy, 32, max_num_batched_tokens=budget)
+        vc.additional_config["mars"].update(events_file=self.events_file, **mars)
+        self.sched, hbs = schedbench.build_scheduler(policy, vc, num_blocks)
+        self._hasher = schedbench._block_hasher(vc, hbs)
+        self._Request, self._SP, self._MRO = Request, SamplingParams, ModelRunnerOutput
+        self.live: dict[str, object] = {}
+        self.done: dict[str, list[int]] = {}
+        self.step_no = 0
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, **xargs) -> None:
+        sp = self._SP(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs)
+        req = self._Request(rid, prompt, sp, None, block_hasher=self._hasher)
+        self.live[rid] = req
+        self.sched.add_request(req)
+
+    def step(self) -> None:
+        out = self.sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if self.live[r].is_prefill_chunk else [17 + self.step_no % 50]
+                   for r in ids]
+        eco = self.sched.update_from_output(out, self._MRO(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled))
+        for outs in eco.values():
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    req = self.live.pop(o.request_id)
+                    self.done[o.request_id] = list(req.all_token_ids)
+        self.step_no += 1
+
+    def run_until_idle(self, max_steps: int = 20_000) -> None:
+        while self.live and self.step_no < max_steps:
+            self.step()
+        assert not self.live, f"{len(self.live)} requests never finished"
+
+    def events(self) -> list[dict]:
+        self.sched.mars_events._drain()
+        with open(self.events_file) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 104729) % 800 for i in range(n)]
+
+
+def fragmentation(policy: str, tmp_path) -> Sim:
+    """30 decoders (128-token prompts, 300 output tokens) outgrow a 64-block pool; two
+    500-token prompts arrive 20 steps in and prefill in chunks next to them."""
+    sim = Sim(policy, num_blocks=65, budget=128, tmp_path=tmp_path, tick_s=0.0)
+    for j in range(30):
+        sim.add(f"dec{j}", _prompt(j, 128), 300, job_id=f"d{j}", last_round=True)
+    for _ in range(20):
+        sim.step()
+    for j in range(2):
+        sim.add(f"pre{j}", _prompt(100 + j, 500), 4, job_id=f"p{j}", last_round=True)
+    sim.run_until_idle()
+    return sim
+
+
+def test_chunk_shrinking_under_fragmentation(tmp_path):
+    """A 1,280-token prompt is prefilling when two shorter ones arrive; they rank higher, are
+    admitted next to it and take the blocks its later chunks counted on. Its chunks are then
+    cut to what the pool holds instead of preempting anyone."""
+    sim = Sim("mars", num_blocks=65, budget=256, tmp_path=tmp_path, tick_s=0.0)
+    sim.add("long", _prompt(1, 1280), 4, job_id="L", last_round=True)
+    sim.step()
+    for j in range(2):
+        sim.add(f"s{j}", _prompt(10 + j, 600), 200, job_id=f"s{j}", last_round=True)
+        sim.step()
+    sim.run_until_idle()
+    evs = sim.events()
+    shrinks = [e for e in evs if e["kind"] == "chunk_shrink"]
+    assert shrinks, "no chunk was shrunk"
+    assert all(0 < e["granted_tokens"] < e["requested_tokens"] for e in shrinks)
+    assert {e["session_id"] for e in shrinks} == {"L"}
+    assert len(sim.done) == 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured gap: preempting the largest footprint first (paper §4.3) preempts about twice "
+    "as often as vLLM's newest-first under decode-growth pressure (96 vs 42 here); chunk "
+    "shrinking saves a few. Open in the scheduler issue."))
+def test_fewer_preemptions_than_fcfs_under_fragmentation(tmp_path):
+    fcfs = fragmentation("fcfs", tmp_path)
+    mars = fragmentation("mars", tmp_path)
+    assert fcfs.done.keys() == mars.done.keys()
+    assert mars.sched.mars_counters["preempted"] < fcfs.sched.mars_counters["preempted"]
+
+
+def test_pins_go_before_any_preemption_and_nothing_leaks(tmp_path):
+    """Agent sessions end a round (pinned while their tool runs), then decoders grow until
+    memory is short: every pin must be released before the first preemption, and once all
+    sessions are done every block is free again."""
+    sim = Sim("mars", num_blocks=65, budget=256, tmp_path=tmp_path, tick_s=0.0)
+    for j in range(4):
+        sim.add(f"a{j}-r0", _prompt(200 + j, 200), 8, job_id=f"agent{j}", round=0,
+                next_tool="terminal.run")
+    sim.run_until_idle()
+    assert sim.sched._mars_pins.pinned_blocks > 0, "the rounds were not pinned"
+    for j in range(8):
+        sim.add(f"dec{j}", _prompt(j, 64), 300, job_id=f"d{j}", last_round=True)
+    sim.run_until_idle()
+    evs = sim.events()
+    pinned: set[str] = set()
+    preempts = 0
+    for e in evs:
+        if e["kind"] == "pin":
+            pinned.add(e["session_id"])
+        elif e["kind"] == "unpin":
+            pinned.discard(e["session_id"])
+        elif e["kind"] == "preempt":
+            preempts += 1
+            assert not pinned, f"preempted while {pinned} pinned"
+    assert preempts > 0, "the scenario did not reach memory pressure"
+    assert any(e["kind"] == "unpin" and e["reason"] == "pressure" for e in evs)
+    # the agents come back for their last round: no pin left, the pool is whole again
+    for j in range(4):
+        prev = sim.done[f"a{j}-r0"]
+        sim.add(f"a{j}-r1", prev + _prompt(300 + j, 20), 4, job_id=f"agent{j}", round=1,
+                last_round=True, prev_tool="terminal.run")
+    sim.run_until_idle()
+    pool = sim.sched.kv_cache_manager.block_pool
+    assert sim.sched._mars_pins.pinned_blocks == 0
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_resumed_round_hits_its_pinned_prefix(tmp_path):
+    sim = Sim("mars", num_blocks=65, budget=256, tmp_path=tmp_path, tick_s=0.0)
+    sim.add("r0", _prompt(1, 500), 12, job_id="s", round=0, next_tool="file_editor.view")
+    sim.run_until_idle()
+    # other traffic cycles through the rest of the pool without crowding it (the pin keeps
+    # s's blocks out of the free queue; without it they would be evicted)
+    for j in range(10):
+        sim.add(f"o{j}", _prompt(50 + j, 300), 2, job_id=f"o{j}", last_round=True)
+        sim.run_until_idle()
+    sim.add("r1", sim.done["r0"] + _prompt(2, 10), 2, job_id="s", round=1, last_round=True)
+    sim.run_until_idle()
+    first = next(e for e in sim.events() if e["kind"] == "gpu_1st_token"
+                 and e["request_id"] == "r1")
+    assert first["cached_tokens"] >= 480, first
