@@ -39,10 +39,23 @@ class ServerProcess:
     events_file: str | None = None
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
+    #: loopback port of the engine behind the sidecar (0: pick a free one); unused with
+    #: ``--no-sidecar`` in ``args``
+    engine_port: int = 0
+
+    @property
+    def sidecar(self) -> bool:
+        return "--no-sidecar" not in self.args
 
     @property
     def url(self) -> str:
+        """The public URL: the sidecar, or the engine itself with ``--no-sidecar``."""
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_url(self) -> str:
+        """The vLLM server itself (behind the sidecar unless ``--no-sidecar``)."""
+        return f"http://127.0.0.1:{self.engine_port}" if self.sidecar else self.url
 
     def start(self) -> "ServerProcess":
         self.port = self.port or free_port()
@@ -51,6 +64,9 @@ class ServerProcess:
         self.events_file = self.events_file or os.path.join(workdir, "events.jsonl")
         cmd = [_bin("mars-vllm"), "serve", *self.args, "--host", "127.0.0.1",
                "--port", str(self.port), "--mars-events-file", self.events_file]
+        if self.sidecar:
+            self.engine_port = self.engine_port or free_port()
+            cmd += ["--engine-port", str(self.engine_port)]
         env = dict(os.environ, **(self.env or {}))
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -47,6 +47,22 @@ def add_mars_args(parser: argparse.ArgumentParser) -> None:
                    help="also append engine events to this JSONL file")
     g.add_argument("--mars-snapshot-interval", type=float, default=0.5,
                    help="seconds between KV block-pool snapshots (default: %(default)s)")
+    g.add_argument("--no-sidecar", action="store_true",
+                   help="serve the engine directly on --host/--port; by default the mars "
+                        "sidecar (admission proxy, `mars sidecar`) listens there and the "
+                        "engine moves to an internal loopback port")
+    g.add_argument("--engine-port", type=int, default=0,
+                   help="loopback port of the engine behind the sidecar (default: a free port)")
+    g.add_argument("--sidecar-args", default=None, metavar="JSON",
+                   help="extra `mars sidecar` options as a JSON object, e.g. "
+                        "'{\"events-file\": \"ev.jsonl\", \"max-window\": 16}' (JSON because "
+                        "vLLM's parser rewrites option-like values); the sidecar's admission is "
+                        "on for policies that use it (mars, mars_no_coord, mars_no_cosched) and "
+                        "off otherwise unless set here (\"admission\": \"on\")")
+    g.add_argument("--mars-config", type=json.loads, default=None, metavar="JSON",
+                   help='policy parameter overrides, e.g. \'{"ordering": {"promote_after_s": 1},'
+                        ' "retention": {"max_tau_s": 30}, "tick_s": 0.05}\' (fields of the '
+                        "policy's config dataclass; see docs/policies.md)")
 
 
 def given(argv: list[str], flag: str) -> bool:
@@ -104,6 +120,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         if not (given(argv, "--kv-cache-memory-bytes") or given(argv, "--gpu-memory-utilization")):
             args.kv_cache_memory_bytes = CPU_DEFAULT_KV_BYTES
 
+    _check_mars_config(args.policy, args.mars_config)
     extra = args.additional_config if isinstance(getattr(args, "additional_config", None), dict) else {}
     endpoint = args.mars_events_endpoint or default_events_endpoint(args.port)
     extra = dict(extra)
@@ -112,9 +129,85 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         "events_endpoint": endpoint,
         "events_file": os.path.abspath(args.mars_events_file) if args.mars_events_file else None,
         "snapshot_interval_s": args.mars_snapshot_interval,
+        "policy_config": {k: v for k, v in (args.mars_config or {}).items()
+                          if k in ("ordering", "retention")},
+        **({"tick_s": float(args.mars_config["tick_s"])}
+           if args.mars_config and "tick_s" in args.mars_config else {}),
     }
     args.additional_config = extra
     args.mars_events_endpoint = endpoint
+
+
+def _check_mars_config(policy: str, overrides: dict | None) -> None:
+    """Reject a bad --mars-config here, with a message, rather than as an engine crash."""
+    if not overrides:
+        return
+    from mars.policy.registry import get_policy, with_config
+
+    if not isinstance(overrides, dict):
+        raise SystemExit("mars-vllm: --mars-config must be a JSON object")
+    unknown = set(overrides) - {"ordering", "retention", "tick_s"}
+    if unknown:
+        raise SystemExit(f"mars-vllm: --mars-config: unknown keys {sorted(unknown)} "
+                         "(valid: ordering, retention, tick_s)")
+    ordering, retention = get_policy(policy).build()
+    for name, pol in (("ordering", ordering), ("retention", retention)):
+        try:
+            with_config(pol, overrides.get(name))
+        except ValueError as exc:
+            raise SystemExit(f"mars-vllm: --mars-config {name}: {exc}") from None
+
+
+def start_sidecar(args: argparse.Namespace):
+    """Start ``mars sidecar`` on the public --host/--port and move the engine behind it.
+
+    Mutates ``args`` (host, port) so vLLM serves on 127.0.0.1:--engine-port. The engine
+    events endpoint was already derived from the public port, so ``mars events tail --port``
+    keeps working. The child dies with us: the sidecar asks the kernel for SIGTERM on our
+    death (``--parent-pid``) and we terminate it at exit.
+    """
+    import atexit
+    import subprocess
+
+    from mars.launch import free_port
+    from mars.policy.registry import get_policy
+
+    public_host = args.host or "0.0.0.0"
+    public_port = args.port
+    engine_port = args.engine_port or free_port()
+    admission = "on" if get_policy(args.policy).sidecar_admission else "off"
+    cmd = [sys.executable, "-m", "mars.sidecar", "--upstream", f"http://127.0.0.1:{engine_port}",
+           "--host", public_host, "--port", str(public_port), "--admission", admission,
+           "--engine-events", args.mars_events_endpoint, "--parent-pid", str(os.getpid())]
+    if getattr(args, "block_size", None):
+        cmd += ["--admission-config", json.dumps({"packing": {"block_size": args.block_size}})]
+    try:
+        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
+    except ValueError as exc:
+        raise SystemExit(f"mars-vllm: --sidecar-args is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit("mars-vllm: --sidecar-args must be a JSON object of sidecar options")
+    for key, value in extra.items():  # later flags win, so these override the defaults above
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value not in (False, None):
+            cmd += [flag, value if isinstance(value, str) else json.dumps(value)]
+    proc = subprocess.Popen(cmd)
+
+    def _stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    atexit.register(_stop)
+    args.host, args.port = "127.0.0.1", engine_port
+    print(f"mars: sidecar on {public_host}:{public_port} (admission {admission}, pid {proc.pid})"
+          f" -> engine on 127.0.0.1:{engine_port}", file=sys.stderr, flush=True)
+    return proc
 
 
 def build_parser():
@@ -162,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging_from_args(args)
     apply_mars_defaults(args, argv[1:], _is_cpu_platform())
     cmd.validate(args)
+    if not args.no_sidecar and not getattr(args, "uds", None) \
+            and not getattr(args, "headless", False):
+        start_sidecar(args)
     logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)

@@ -1,0 +1,273 @@
+"""Proxy overhead of the mars sidecar vs. direct calls to the same vLLM server, in one run.
+
+    .venv/bin/python experiments/bench_proxy.py [--requests 300] [--tokens 128]
+                                                [--concurrency 1,16,64] [--json out.json]
+
+Starts one ``mars-vllm serve`` (embedded tiny model; its default sidecar is pass-through for
+``--policy fcfs``) plus standalone sidecars in front of the same engine, then measures, for each
+target against the engine itself:
+
+* non-streaming latency: sequential ``/v1/completions`` calls (1 token); each round calls
+  every target back to back (order rotated), the added p50 is the median of the per-round
+  differences to direct, the added p99 is the target's p99 minus direct's;
+* streaming throughput: C concurrent streams of ``--tokens`` tokens each, tokens/s from the
+  streams' usage chunks; each repetition runs every target once (order rotated) and the
+  ratio is the median over repetitions of target / direct.
+
+It first waits (bounded) for a quiet machine (``--quiet-load``): on a shared 2-core machine
+other work swamps a sub-millisecond signal.
+
+Targets: ``direct`` (the engine), ``sidecar`` (as ``mars-vllm serve`` launches it),
+``sidecar+admission`` (admission on, window 128, each client one session) and
+``sidecar/httpx`` (pass-through with the httpx upstream client, for comparison).
+
+Prints a markdown table and the command. Not a test: numbers depend on the machine and on
+whatever else runs on it (the load average is printed with the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mars.launch import ServerProcess  # noqa: E402
+from mars.sidecar.process import SidecarProcess  # noqa: E402
+
+MODEL = "mars-tiny"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(server_pid: int) -> dict[int, bytes]:
+    out = {}
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                out[int(child)] = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+    return out
+
+
+def child_sidecar_pid(server_pid: int) -> int | None:
+    """The sidecar ``mars-vllm serve`` started (a child process running mars.sidecar)."""
+    return next((pid for pid, cmd in children(server_pid).items() if b"mars.sidecar" in cmd),
+                None)
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """vLLM's other processes (EngineCore, ...): every child but the sidecar."""
+    return [pid for pid, cmd in children(server_pid).items() if b"mars.sidecar" not in cmd]
+
+
+def wait_quiet(max_load: float, max_wait_s: float) -> None:
+    """Other work on the machine swamps a sub-millisecond signal: start when it is quiet."""
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        print(f"waiting for load average {os.getloadavg()[0]:.1f} <= {max_load} ...",
+              file=sys.stderr, flush=True)
+        time.sleep(15)
+
+
+def latency(targets: dict[str, str], n: int, session: dict[str, str | None]) -> dict:
+    clients = {name: httpx.Client(timeout=60) for name in targets}
+    samples: dict[str, list[float]] = {name: [] for name in targets}
+    names = list(targets)
+
+    def one(name: str) -> float:
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1}
+        if session[name]:
+            body["vllm_xargs"] = {"job_id": session[name]}
+        t = time.perf_counter()
+        r = clients[name].post(targets[name] + "/v1/completions", json=body)
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        return dt
+
+    for name in names:  # warm-up (connections, admission of the latency sessions)
+        for _ in range(10):
+            one(name)
+    for i in range(n):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            samples[name].append(one(name))
+    for c in clients.values():
+        c.close()
+    return samples
+
+
+async def stream_run(url: str, conc: int, tokens: int, tag: str) -> float:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        async def one(i: int) -> int:
+            body = {"model": MODEL, "prompt": [5, 6, 7, 8 + i % 64], "max_tokens": tokens,
+                    "ignore_eos": True, "stream": True, "temperature": 0,
+                    "stream_options": {"include_usage": True},
+                    "vllm_xargs": {"job_id": f"{tag}-{i}", "last_round": True}}
+            n = 0
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith('data: {"') and '"usage":{' in line:
+                        usage = json.loads(line[6:]).get("usage")
+                        if usage:
+                            n = usage["completion_tokens"]
+            return n
+
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(one(i) for i in range(conc)))
+        dt = time.perf_counter() - t
+    assert all(c == tokens for c in counts), counts
+    return sum(counts) / dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=300,
+                    help="sequential non-streaming calls per target (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream (default: %(default)s)")
+    ap.add_argument("--concurrency", default="1,16,64", help="concurrent streams (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per throughput cell (median)")
+    ap.add_argument("--no-httpx", action="store_true", help="skip the httpx-client sidecar")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--quiet-load", type=float, default=2.0,
+                    help="wait until the 1-min load average is at most this ... (default: %(default)s)")
+    ap.add_argument("--quiet-wait", type=float, default=300,
+                    help="... for at most this many seconds, then start anyway (default: %(default)s)")
+    args = ap.parse_args()
+    concs = [int(c) for c in args.concurrency.split(",")]
+    wait_quiet(args.quiet_load, args.quiet_wait)
+    load0 = os.getloadavg()
+
+    print("starting mars-vllm serve (tiny model) ...", file=sys.stderr, flush=True)
+    server = ServerProcess(args=["--max-model-len", "4096", "--max-num-seqs", str(max(concs)),
+                                 "--seed", "0"]).start()
+    sidecars: list[SidecarProcess] = []
+    try:
+        targets = {"direct": server.engine_url, "sidecar": server.url}
+        pids = {"sidecar": child_sidecar_pid(server.proc.pid)}
+        adm = SidecarProcess(server.engine_url, [
+            "--admission", "on", "--min-window", "128", "--max-window", "128",
+            "--max-queue", "4096", "--engine-events", "none"]).start()
+        sidecars.append(adm)
+        targets["sidecar+admission"], pids["sidecar+admission"] = adm.url, adm.proc.pid
+        if not args.no_httpx:
+            hx = SidecarProcess(server.engine_url, ["--admission", "off", "--upstream-client",
+                                                    "httpx", "--engine-events", "none"]).start()
+            sidecars.append(hx)
+            targets["sidecar/httpx"], pids["sidecar/httpx"] = hx.url, hx.proc.pid
+        session = {name: (f"lat-{name}" if "admission" in name else None) for name in targets}
+
+        print(f"latency: {args.requests} sequential calls per target ...", file=sys.stderr,
+              flush=True)
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items() if p}
+        lat = latency(targets, args.requests, session)
+        cpu_per_req = {k: (cpu_seconds(p) - cpu0[k]) / (args.requests + 10) * 1e6
+                       for k, p in pids.items() if p}
+
+        # throughput: each repetition runs every target once (order rotated); a target's
+        # ratio is the median over repetitions of its tok/s over direct's in the same one
+        thr: dict[str, dict[int, float]] = {name: {} for name in targets}
+        ratio: dict[str, dict[int, float]] = {name: {} for name in targets}
+        #: CPU seconds of vLLM's API server and of the target's sidecar over all stream runs
+        stream_cpu = {name: {"api": 0.0, "engine": 0.0, "sidecar": 0.0, "tokens": 0}
+                      for name in targets}
+        engines = engine_pids(server.proc.pid)
+        for conc in concs:
+            print(f"streams: {conc} x {args.tokens} tokens ...", file=sys.stderr, flush=True)
+            runs: dict[str, list[float]] = {name: [] for name in targets}
+            names = list(targets)
+            for rep in range(args.reps):
+                order = names[rep % len(names):] + names[:rep % len(names)]
+                for name in order:
+                    watched = {"api": [server.proc.pid], "engine": engines,
+                               "sidecar": [pids[name]] if pids.get(name) else []}
+                    c0 = {k: sum(map(cpu_seconds, ps)) for k, ps in watched.items()}
+                    runs[name].append(asyncio.run(stream_run(
+                        targets[name], conc, args.tokens, f"s{conc}-{rep}-{name}")))
+                    for k, ps in watched.items():
+                        stream_cpu[name][k] += sum(map(cpu_seconds, ps)) - c0[k]
+                    stream_cpu[name]["tokens"] += conc * args.tokens
+            for name in names:
+                thr[name][conc] = statistics.median(runs[name])
+                ratio[name][conc] = statistics.median(
+                    a / b for a, b in zip(runs[name], runs["direct"]))
+    finally:
+        for sc in sidecars:
+            sc.stop()
+        server.stop()
+    load1 = os.getloadavg()
+
+    d50, d99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
+    head = ["target", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "sidecar CPU/req µs"]
+    head += [f"stream tok/s ×{c} (vs direct)" for c in concs]
+    head += ["CPU µs/streamed token: sidecar / vLLM API / EngineCore",
+             "CPU-bound ratio"]
+    rows = []
+    for name in targets:
+        p50, p99 = pct(lat[name], 0.5), pct(lat[name], 0.99)
+        added = name != "direct"
+        # added p50: median of the per-round differences (each round calls every target
+        # back to back), which cancels most of the drift a shared machine adds
+        paired = statistics.median(a - b for a, b in zip(lat[name], lat["direct"]))
+        row = [f"`{name}`", f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}",
+               f"{paired * 1e3:+.2f}" if added else "—",
+               f"{(p99 - d99) * 1e3:+.2f}" if added else "—",
+               f"{cpu_per_req[name]:.0f}" if name in cpu_per_req else "—"]
+        for c in concs:
+            row.append(f"{thr[name][c]:.0f} ({ratio[name][c]:.1%})")
+        sc = stream_cpu[name]
+        per_tok = lambda k, sc=sc: sc[k] / max(1, sc["tokens"]) * 1e6  # noqa: E731
+        row.append(f"{per_tok('sidecar'):.0f} / {per_tok('api'):.0f} / {per_tok('engine'):.0f}"
+                   if added else f"— / {per_tok('api'):.0f} / {per_tok('engine'):.0f}")
+        d = stream_cpu["direct"]
+        stack_direct = (d["api"] + d["engine"]) / max(1, d["tokens"])
+        stack = (sc["api"] + sc["engine"] + sc["sidecar"]) / max(1, sc["tokens"])
+        row.append(f"{stack_direct / stack:.1%}" if stack else "—")
+        rows.append(row)
+    print()
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+    print(f"Machine: {os.cpu_count()} CPUs, load average {load0[0]:.1f} before / "
+          f"{load1[0]:.1f} after; {args.requests} sequential 1-token calls per target "
+          f"(added p50 = median of paired differences, added p99 = p99 − direct p99); "
+          f"streams of {args.tokens} tokens, medians over {args.reps} rotated repetitions. "
+          f"CPU from /proc; the `sidecar` one also reads the engine's event stream (in the "
+          f"latency phase that stream carries every target's traffic). CPU-bound ratio = "
+          f"(API server + EngineCore CPU per token, direct) / (API server + EngineCore + "
+          f"sidecar CPU per token, via the target): the throughput ratio to expect when the "
+          f"machine's cores are the bottleneck, and far less sensitive to other load than "
+          f"the measured tok/s.")
+    print("Command: `.venv/bin/python experiments/bench_proxy.py " + " ".join(sys.argv[1:]) + "`")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "latency_s": lat, "throughput_tok_s": thr, "throughput_ratio": ratio,
+            "sidecar_cpu_us_per_req": cpu_per_req, "stream_cpu_s": stream_cpu,
+            "loadavg": [load0, load1], "args": vars(args)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""The sidecar application: ``create_app(SidecarConfig) -> FastAPI``.
+
+Wiring only; every part has one job and lives in its own module:
+
+* :mod:`~mars.sidecar.request`: which session a request belongs to (and the only body edit);
+* :mod:`~mars.sidecar.control`: session admission around ``BalanceAndAdmit`` (waiting, waking,
+  ending sessions);
+* :mod:`~mars.sidecar.proxy`: byte-level forwarding to vLLM and the failure model;
+* :mod:`~mars.sidecar.hub` + :mod:`~mars.sidecar.engine_events`: the merged event stream;
+* :mod:`~mars.sidecar.metrics`: Prometheus.
+
+Endpoints (everything else is forwarded to the engine unchanged, without admission):
+
+=====================================  ==========================================================
+``POST /v1/chat/completions``          proxied with session admission (streaming included)
+``POST /v1/completions``               same
+``POST /v1/mars/events``               tool events (a JSON list, or one object) -> the stream
+``GET  /v1/mars/events/stream``        the merged stream as SSE (``kind``, ``session``,
+                                       ``max_events``, ``timeout`` query parameters)
+``GET  /v1/mars/state``                window, queue, dual-pressure signals, upstream
+``GET  /v1/mars/sessions``             sessions known to the sidecar
+``DELETE /v1/mars/sessions/{id}``      end a session (frees its slot / queue entry)
+``GET  /v1/mars/health``               the sidecar itself (the engine's ``/health`` is proxied)
+``GET  /metrics``                      sidecar metrics, followed by the engine's own
+=====================================  ==========================================================
+
+The two generation routes bypass FastAPI's routing and middleware (:class:`HotPath`): they
+take the raw request and use none of it, and every microsecond there is added latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import time
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mars.policy.admission import QueueFull
+from mars.policy.events import TOOL_KINDS, EventError, make_event, parse_events
+from mars.sidecar.config import SidecarConfig
+from mars.sidecar.control import AdmissionTimeout, ControlPlane, Session, SessionClosed
+from mars.sidecar.engine_events import EngineEventReader
+from mars.sidecar.errors import openai_error
+from mars.sidecar.hub import EventHub
+from mars.sidecar.metrics import SidecarMetrics
+from mars.sidecar.proxy import (DisconnectWatch, GuardedStreamingResponse, RelayResponse,
+                                buffered, is_event_stream, request_headers)
+from mars.sidecar.upstream import UpstreamUnavailable, make_upstream
+from mars.sidecar.request import BadRequest, parse_generate
+
+log = logging.getLogger("mars.sidecar")
+
+GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
+#: kinds clients may post: the CPU plane, plus ``session_end`` as "this session is over"
+POSTABLE_KINDS = frozenset(TOOL_KINDS) | {"session_end"}
+MAX_EVENT_BATCH = 10000
+#: status recorded for a request whose client went away (nginx's convention)
+CLIENT_CLOSED = 499
+
+
+class Sidecar:
+    """Owns the parts and implements the endpoints; one per app."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.metrics = SidecarMetrics()
+        self.hub = EventHub(self.metrics, config.events_file, config.sse_queue)
+        self.control = ControlPlane(config, self.hub.publish, self.metrics)
+        self.hub.add_observer(self.control.observe)
+        self.upstream = make_upstream(config.upstream_client, config.upstream,
+                                      connect_timeout_s=config.connect_timeout_s,
+                                      read_timeout_s=config.read_timeout_s,
+                                      max_connections=config.max_connections)
+        self.reader: EngineEventReader | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._rid = itertools.count(1)
+        self._rid_prefix = f"sc-{os.getpid():x}-"
+        self.started_at = time.time()
+        self.metrics.add_state(self._gauges)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.config.engine_events:
+            self.reader = EngineEventReader(
+                self.config.engine_events, partial(self.hub.publish_many, source="engine"),
+                loop, on_malformed=self.metrics.engine_events_malformed.inc)
+            self.reader.start()
+        self._tasks = [loop.create_task(self.control.run_timer(self._tick)),
+                       loop.create_task(self._flusher())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.reader is not None:
+            self.reader.stop()
+        self.hub.close()
+        await self.upstream.aclose()
+
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.flush_interval_s)
+            self.hub.flush()
+
+    def _tick(self, now: float) -> None:
+        pp = self.config.parent_pid
+        if pp and os.getppid() != pp:
+            log.warning("parent process %d is gone: shutting down", pp)
+            self.config.parent_pid = None
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # ------------------------------------------------------------------ generation
+    def _answer(self, route: str, resp: Response) -> Response:
+        self.metrics.request(route, resp.status_code)
+        return resp
+
+    def _request_done(self, session: Session, rid: str, t0: float, status: int,
+                      outcome: str) -> None:
+        dt = time.perf_counter() - t0
+        self.metrics.request_seconds.observe(dt)
+        if outcome == "disconnect":
+            self.metrics.disconnects.inc()
+            status = CLIENT_CLOSED
+        elif outcome == "error" and status < 500:
+            status = 503
+        self.hub.publish(make_event("request_end", session_id=session.id, request_id=rid,
+                                    status=status, duration_s=dt), "control")
+        self.control.finish(session, outcome)
+
+    async def generate(self, request: Request) -> Response:
+        """A chat / completion request: session identity, admission, forwarding."""
+        t0 = time.perf_counter()
+        scope = request.scope
+        route = scope["path"]
+        body = await request.body()
+        try:
+            info = parse_generate(body, request.headers)
+        except BadRequest as exc:
+            self.metrics.bad_requests.inc()
+            return self._answer(route, openai_error(400, str(exc), param=exc.param))
+        cfg = self.config
+        one_shot = info.session_id is None
+        sid = info.session_id if not one_shot else self.control.oneshot_id()
+        watch = DisconnectWatch(request.receive)
+        session: Session | None = None
+        rid, outcome, status, handed_over = "", "error", 503, False
+        try:
+            try:
+                session = await self.control.acquire(
+                    sid, one_shot=one_shot, last_round=info.last_round,
+                    prompt_tokens=partial(info.prompt_tokens, cfg.bytes_per_token))
+            except QueueFull as exc:
+                self.metrics.queue_full.inc()
+                return self._answer(route, openai_error(
+                    429, f"{exc}: retry later", retry_after=cfg.retry_after_s))
+            except AdmissionTimeout as exc:
+                return self._answer(route, openai_error(
+                    503, str(exc), type_="admission_timeout", retry_after=cfg.retry_after_s))
+            except SessionClosed as exc:
+                return self._answer(route, openai_error(409, str(exc)))
+            rid = self._rid_prefix + str(next(self._rid))
+            self.hub.publish(make_event("request_start", session_id=sid, request_id=rid,
+                                        round=info.round), "control")
+            try:
+                resp = await self.upstream.open("POST", route, scope["query_string"],
+                                                request_headers(scope["headers"]), info.body)
+                status = resp.status_code
+                if is_event_stream(resp):
+                    relay = RelayResponse(self.upstream, resp, partial(
+                        self._stream_done, session, rid, t0, resp.status_code), watch)
+                    # from here on the response owns the watch and the cleanup (exactly once)
+                    handed_over = True
+                    return self._answer(route, relay)
+                content = await self.upstream.read(resp)
+            except UpstreamUnavailable as exc:
+                self.metrics.upstream_errors.inc()
+                status = 503
+                return self._answer(route, openai_error(503, str(exc),
+                                                        retry_after=cfg.retry_after_s))
+            outcome = "ok"
+            return self._answer(route, buffered(resp, content))
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            asyncio.current_task().uncancel()
+            outcome = "disconnect"
+            if session is None:
+                self.metrics.disconnects.inc()
+            return self._answer(route, Response(status_code=CLIENT_CLOSED))
+        finally:
+            if not handed_over:
+                watch.stop()
+                if session is not None:
+                    self._request_done(session, rid, t0, status, outcome)
+
+    def _stream_done(self, session: Session, rid: str, t0: float, status: int,
+                     outcome: str) -> None:
+        if outcome == "error":
+            self.metrics.upstream_errors.inc()
+        self._request_done(session, rid, t0, status, outcome)
+
+    async def forward(self, request: Request) -> Response:
+        """Anything else (models, health, tokenize, ...): forwarded as is, no admission."""
+        scope = request.scope
+        route = "other"
+        body = await request.body()
+        watch = DisconnectWatch(request.receive)
+        handed_over = False
+        try:
+            try:
+                resp = await self.upstream.open(scope["method"], scope["path"],
+                                                scope["query_string"],
+                                                request_headers(scope["headers"]), body)
+                if is_event_stream(resp):
+                    handed_over = True
+                    return self._answer(route, RelayResponse(self.upstream, resp, _noop, watch))
+                content = await self.upstream.read(resp)
+            except UpstreamUnavailable as exc:
+                self.metrics.upstream_errors.inc()
+                return self._answer(route, openai_error(
+                    503, str(exc), retry_after=self.config.retry_after_s))
+            return self._answer(route, buffered(resp, content))
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            asyncio.current_task().uncancel()
+            self.metrics.disconnects.inc()
+            return self._answer(route, Response(status_code=CLIENT_CLOSED))
+        finally:
+            if not handed_over:
+                watch.stop()
+
+    # ------------------------------------------------------------------ mars endpoints
+    async def post_events(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            if not body:
+                raise EventError("empty body: expected a JSON list of events")
+            try:
+                raw = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise EventError(f"malformed JSON: {exc}") from None
+            if isinstance(raw, dict):
+                raw = [raw]
+            if isinstance(raw, list) and len(raw) > MAX_EVENT_BATCH:
+                raise EventError(f"batch of {len(raw)} events exceeds {MAX_EVENT_BATCH}")
+            events = parse_events(raw)
+            bad = sorted({e.kind for e in events if e.kind not in POSTABLE_KINDS})
+            if bad:
+                raise EventError(f"kinds {bad} cannot be posted here (only "
+                                 f"{sorted(POSTABLE_KINDS)}); engine and control events "
+                                 f"come from the engine and the sidecar")
+        except EventError as exc:
+            self.metrics.events_rejected.inc()
+            return self._answer("events", openai_error(400, f"rejected events: {exc}"))
+        for ev in events:
+            d = ev.model_dump()
+            if d["kind"] == "session_end":
+                self.control.end_session(d["session_id"], d["reason"])
+            else:
+                self.hub.publish(d, "tool")
+        return self._answer("events", JSONResponse({"accepted": len(events)}))
+
+    def event_stream(self, kinds: list[str] | None, session: str | None,
+                     max_events: int | None, timeout: float | None) -> Response:
+        sub = self.hub.subscribe(kinds, session)
+        keepalive = self.config.sse_keepalive_s
+
+        async def gen():
+            yield b": mars unified event stream\n\n"
+            sent, idle_since = 0, time.monotonic()
+            while max_events is None or sent < max_events:
+                wait = keepalive if timeout is None else \
+                    min(keepalive, max(0.0, timeout - (time.monotonic() - idle_since)))
+                line = await sub.get(wait)
+                if line is None:
+                    if timeout is not None and time.monotonic() - idle_since >= timeout:
+                        return
+                    yield b": keepalive\n\n"
+                    continue
+                idle_since = time.monotonic()
+                sent += 1
+                yield b"data: " + line + b"\n\n"
+
+        return GuardedStreamingResponse(gen(), partial(self.hub.unsubscribe, sub),
+                                        media_type="text/event-stream",
+                                        headers={"cache-control": "no-cache"})
+
+    def state(self) -> dict[str, Any]:
+        snap = self.control.snapshot()
+        up = self.upstream
+        snap["upstream"] = {"url": up.base_url, "up": up.up, "failures": up.failures,
+                            "last_error": up.last_error, "client": type(up).__name__}
+        snap["stream"] = {"published": self.hub.published, "subscribers": self.hub.subscribers,
+                          "engine_events": self.config.engine_events or None,
+                          "engine_events_received": self.reader.received if self.reader else 0,
+                          "events_file": self.config.events_file}
+        snap["uptime_s"] = time.time() - self.started_at
+        return snap
+
+    async def metrics_text(self) -> Response:
+        text = self.metrics.render()
+        if self.config.merge_upstream_metrics:
+            engine = await self.upstream.get_text("/metrics")
+            if engine:
+                text += b"\n" + engine.encode()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    def _gauges(self) -> dict[str, tuple]:
+        snap = self.control.snapshot()
+        s = snap["signals"]
+        up = self.upstream.up
+        return {
+            "admission_enabled": ("1 if the sidecar gates new sessions", 1 if self.control.admission else 0),
+            "window": ("Raw AIMD window W", snap["window"]),
+            "window_budget": ("Admitted sessions allowed: min(W, caps), clamped", snap["budget"]),
+            "cpu_cap": ("Session cap from CPU pressure (Little's law)", snap["cpu_cap"]),
+            "kv_cap": ("Session cap from KV utilisation (soft cap)", snap["kv_cap"]),
+            "sessions_active": ("Sessions holding a window slot (window occupancy)", snap["admitted"]),
+            "sessions_queued": ("Sessions waiting for admission", snap["queued"]),
+            "requests_inflight": ("Requests forwarded and not finished", snap["inflight"]),
+            "active_tools": ("Running tool calls (CPU plane)", s["active_tools"]),
+            "cpu_load": ("Active tools per tool core", s["cpu_load"]),
+            "tool_duration_ema_seconds": ("EMA of tool durations", s["tool_duration_ema_s"]),
+            "tool_slowdown": ("EMA of tool duration over its per-type baseline", s["tool_slowdown"]),
+            "kv_blocks": ("Engine KV blocks (latest snapshot)",
+                          {("total",): s["total_blocks"], ("free",): s["free_blocks"],
+                           ("used",): s["used_blocks"], ("pinned",): s["pinned_blocks"]},
+                          ("state",)),
+            "kv_utilisation": ("Engine KV utilisation", s["kv_utilisation"]),
+            "engine_requests": ("Engine requests (latest snapshot)",
+                                {("running",): s["engine_running"],
+                                 ("waiting",): s["engine_waiting"]}, ("state",)),
+            "preemptions_recent": ("Engine preemptions in the trailing window", s["preemptions"]),
+            "upstream_up": ("1 if the last upstream contact succeeded", None if up is None else int(up)),
+            "sse_subscribers": ("Open event-stream subscriptions", self.hub.subscribers),
+        }
+
+
+def _noop(_outcome: str) -> None:
+    pass
+
+
+class HotPath:
+    """ASGI entry point: the generation routes skip FastAPI's routing and middleware stack.
+
+    Those routes take the raw request and need none of it; on the 2-core machine the stack
+    costs about a tenth of the sidecar's per-request budget. Everything else, lifespan
+    included, goes to the FastAPI app.
+    """
+
+    def __init__(self, app: FastAPI, sidecar: Sidecar) -> None:
+        self.app = app
+        self.sidecar = sidecar
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] in GENERATE_ROUTES \
+                and scope["method"] == "POST":
+            try:
+                response = await self.sidecar.generate(Request(scope, receive))
+            except Exception as exc:  # a bug must still produce exactly one response
+                log.exception("generate failed")
+                response = openai_error(500, f"sidecar internal error: "
+                                             f"{type(exc).__name__}: {exc}")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(config: SidecarConfig) -> HotPath:
+    """The sidecar as an ASGI app (``.app`` is the FastAPI app, ``.sidecar`` the parts)."""
+    sc = Sidecar(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await sc.start()
+        try:
+            yield
+        finally:
+            await sc.stop()
+
+    # no /docs or /openapi.json of our own: the engine's are proxied (drop-in for vllm serve)
+    app = FastAPI(title="mars sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.sidecar = sc
+
+    for path in GENERATE_ROUTES:  # served by HotPath; kept for introspection
+        app.add_route(path, sc.generate, methods=["POST"])
+    app.add_route("/v1/mars/events", sc.post_events, methods=["POST"])
+
+    @app.get("/v1/mars/events/stream")
+    async def event_stream(kind: list[str] | None = Query(None),
+                           session: str | None = None,
+                           max_events: int | None = Query(None, ge=1),
+                           timeout: float | None = Query(None, gt=0)) -> Response:
+        kinds = [k for item in (kind or []) for k in item.split(",") if k] or None
+        return sc.event_stream(kinds, session, max_events, timeout)
+
+    @app.get("/v1/mars/state")
+    async def state() -> Response:
+        return JSONResponse(sc.state())
+
+    @app.get("/v1/mars/sessions")
+    async def sessions() -> Response:
+        return JSONResponse({"sessions": sc.control.sessions_view()})
+
+    @app.delete("/v1/mars/sessions/{session_id}")
+    async def end_session(session_id: str) -> Response:
+        if sc.control.end_session(session_id, "deleted"):
+            return JSONResponse({"session_id": session_id, "ended": True})
+        return openai_error(404, f"no session {session_id!r} at the sidecar")
+
+    @app.get("/v1/mars/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "upstream_up": sc.upstream.up,
+                             "admission": "on" if sc.control.admission else "off"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await sc.metrics_text()
+
+    app.add_route("/{path:path}", sc.forward,
+                  methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
+        parts = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())), e.get("msg"))
+                 for e in exc.errors()[:5]]
+        return openai_error(400, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> Response:
+        return openai_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(_request: Request, exc: Exception) -> Response:
+        log.exception("sidecar handler failed")
+        return openai_error(500, f"sidecar internal error: {type(exc).__name__}: {exc}")
+
+    return HotPath(app, sc)

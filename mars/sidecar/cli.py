@@ -1,0 +1,193 @@
+"""``mars sidecar``: run the external control plane in front of a vLLM server.
+
+    mars sidecar --upstream http://127.0.0.1:8001 --port 8000 [--admission on|off]
+                 [--events-file F] [--engine-events ENDPOINT|none] ...
+
+``mars-vllm serve`` starts this by default on the public port (see ``--no-sidecar``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from mars.policy.admission import AdmissionConfig
+from mars.policy.aimd import AIMDConfig
+from mars.policy.packing import PackConfig
+from mars.policy.pressure import PressureConfig
+from mars.sidecar.config import SidecarConfig, engine_events_for
+
+_SUB = {"aimd": AIMDConfig, "packing": PackConfig, "pressure": PressureConfig}
+
+
+def _on_off(v: str) -> bool:
+    v = v.strip().lower()
+    if v in ("on", "true", "1", "yes"):
+        return True
+    if v in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError("expected on or off")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SidecarConfig()
+    p.add_argument("--upstream", required=True,
+                   help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8001")
+    p.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="port to listen on (default: %(default)s)")
+    p.add_argument("--admission", type=_on_off, default=True, metavar="on|off",
+                   help="on: new sessions wait for the AIMD window (MARS); off: pass-through "
+                        "(sessions, events and metrics still work) (default: on)")
+    p.add_argument("--events-file", default=None,
+                   help="append the merged event stream to this JSONL file")
+    p.add_argument("--engine-events", default=None, metavar="ENDPOINT",
+                   help="ZMQ endpoint of the engine's event publisher ('none' to disable; "
+                        "default: the one `mars-vllm serve --port <upstream port>` binds)")
+    g = p.add_argument_group("admission")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help="sessions that may wait; beyond that 429 (default: 1024)")
+    g.add_argument("--initial-window", type=float, default=None, help="AIMD start window (8)")
+    g.add_argument("--min-window", type=int, default=None, help="AIMD floor (1)")
+    g.add_argument("--max-window", type=int, default=None, help="AIMD ceiling (64)")
+    g.add_argument("--tool-cores", type=float, default=None,
+                   help="cores available to agent tools (default: os.cpu_count())")
+    g.add_argument("--admission-config", default=None, metavar="JSON|@FILE",
+                   help="AdmissionConfig overrides as JSON (keys max_queue, pending_ttl_s, "
+                        "aimd, packing, pressure; see docs/control_plane.md)")
+    g.add_argument("--admission-timeout", type=float, default=d.admission_timeout_s,
+                   help="seconds a request may wait for admission before 503 (default: %(default)s)")
+    g.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
+                   help="end an admitted session after this many idle seconds (default: %(default)s)")
+    g.add_argument("--step-interval", type=float, default=d.step_interval_s,
+                   help="control-step timer period in seconds (default: %(default)s)")
+    u = p.add_argument_group("upstream")
+    u.add_argument("--upstream-client", choices=["fast", "httpx"], default=d.upstream_client,
+                   help="HTTP client to the engine: fast (asyncio + httptools) or httpx "
+                        "(default: %(default)s)")
+    u.add_argument("--retry-after", type=int, default=d.retry_after_s,
+                   help="Retry-After seconds on 429 / 503 (default: %(default)s)")
+    u.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s,
+                   help="upstream connect timeout in seconds (default: %(default)s)")
+    u.add_argument("--read-timeout", type=float, default=None,
+                   help="upstream read timeout in seconds (default: none)")
+    u.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="upstream connection pool size (default: %(default)s)")
+    u.add_argument("--no-upstream-metrics", action="store_true",
+                   help="do not append the engine's /metrics to ours")
+    x = p.add_argument_group("process")
+    x.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process dies (used by mars-vllm serve)")
+    x.add_argument("--log-level", default=d.log_level,
+                   choices=["critical", "error", "warning", "info", "debug"])
+    x.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    raw: dict[str, Any] = {}
+    if args.admission_config:
+        text = args.admission_config
+        if text.startswith("@"):
+            with open(text[1:], encoding="utf-8") as f:
+                text = f.read()
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("--admission-config must be a JSON object")
+    subs = {k: dict(raw.pop(k, None) or {}) for k in _SUB}
+    if args.initial_window is not None:
+        subs["aimd"]["initial_window"] = args.initial_window
+    if args.min_window is not None:
+        subs["aimd"]["min_window"] = args.min_window
+    if args.max_window is not None:
+        subs["aimd"]["max_window"] = args.max_window
+    aimd = subs["aimd"]
+    # a window given alone implies consistent bounds (e.g. --max-window 4 with the default
+    # initial window 8 means "at most 4")
+    if "initial_window" not in aimd and ("min_window" in aimd or "max_window" in aimd):
+        d = AIMDConfig()
+        aimd["initial_window"] = min(max(d.initial_window, aimd.get("min_window", d.min_window)),
+                                     aimd.get("max_window", d.max_window))
+    subs["pressure"].setdefault("tool_cores", float(args.tool_cores or os.cpu_count() or 1))
+    if args.max_queue is not None:
+        raw["max_queue"] = args.max_queue
+    return AdmissionConfig(**raw, **{k: _SUB[k](**v) for k, v in subs.items()})
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    engine = args.engine_events
+    if engine is None:
+        engine = engine_events_for(args.upstream)
+    elif engine.lower() in ("none", "off", ""):
+        engine = ""
+    return SidecarConfig(
+        upstream=args.upstream, host=args.host, port=args.port, admission=args.admission,
+        admission_config=admission_config(args), engine_events=engine,
+        events_file=args.events_file, admission_timeout_s=args.admission_timeout,
+        idle_timeout_s=args.idle_timeout, step_interval_s=args.step_interval,
+        upstream_client=args.upstream_client,
+        retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout, max_connections=args.max_connections,
+        merge_upstream_metrics=not args.no_upstream_metrics, parent_pid=args.parent_pid,
+        log_level=args.log_level, access_log=args.access_log)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGTERM us when the parent dies (Linux); the timer checks too."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(0)
+
+
+def serve(config: SidecarConfig) -> int:
+    import uvicorn
+
+    from mars.sidecar.app import create_app
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.parent_pid:
+        _die_with_parent(config.parent_pid)
+    app = create_app(config)
+    print(f"mars sidecar: http://{config.host}:{config.port} -> {config.upstream} "
+          f"admission={'on' if config.admission else 'off'} "
+          f"engine-events={config.engine_events or 'none'} "
+          f"events-file={config.events_file or 'none'}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                access_log=config.access_log, loop="auto", http="auto", backlog=4096,
+                timeout_graceful_shutdown=5, timeout_keep_alive=30,
+                proxy_headers=False)
+    return 0
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"mars sidecar: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sidecar", help="the external control plane (admission proxy)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=_cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mars sidecar", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return _cmd(p.parse_args(argv))
+

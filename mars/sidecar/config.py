@@ -1,0 +1,98 @@
+"""The sidecar's configuration: one typed dataclass, built by the CLI or by tests.
+
+The policies' own knobs (AIMD, packing, pressure) live in :class:`AdmissionConfig` of the
+framework-free layer; this file only adds what the *mechanism* needs (ports, timeouts, queue
+and stream limits), so a policy change never touches the proxy and vice versa.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from mars.policy.admission import AdmissionConfig
+
+
+def engine_events_for(upstream: str) -> str:
+    """The engine events endpoint ``mars-vllm serve --no-sidecar --port P`` binds by default.
+
+    Same rule as ``mars.vllm_patches.serve.default_events_endpoint`` (not imported: the
+    sidecar must not pull in vLLM).
+    """
+    port = urlsplit(upstream).port or 80
+    return f"ipc://{tempfile.gettempdir()}/mars-engine-{port}.ipc"
+
+
+@dataclass(slots=True)
+class SidecarConfig:
+    """Everything ``mars sidecar`` needs. Defaults suit one engine on the same host."""
+
+    #: base URL of the vLLM OpenAI server (no trailing ``/v1``)
+    upstream: str = "http://127.0.0.1:8001"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: True: new sessions wait for BalanceAndAdmit; False: pass-through (sessions, events and
+    #: metrics still work; baselines and ``mars_no_ctrl`` run behind this mode so that every
+    #: policy pays the same proxy cost)
+    admission: bool = True
+    admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: ZMQ endpoint of the engine's event publisher; "" = do not subscribe
+    engine_events: str = ""
+    #: append the merged stream (engine + tool + control events) to this JSONL file
+    events_file: str | None = None
+
+    # --- sessions -------------------------------------------------------------------------
+    #: a request waiting this long for admission gets 503 (seconds)
+    admission_timeout_s: float = 300.0
+    #: an admitted session with no request in flight, no open tool call and no activity for
+    #: this long is ended (seconds); agents that vanish must not hold a slot forever
+    idle_timeout_s: float = 300.0
+    #: period of the control-step timer (seconds); steps also run after relevant events
+    step_interval_s: float = 0.25
+    #: a window_update is emitted when the decision changes, and at least this often
+    window_heartbeat_s: float = 5.0
+    #: prompt bytes per token used to estimate a new session's KV blocks from its body
+    bytes_per_token: float = 4.0
+
+    # --- upstream -------------------------------------------------------------------------
+    #: "fast" (asyncio + httptools, ~0.1 ms CPU per request) or "httpx" (~0.8 ms); see
+    #: mars/sidecar/upstream.py
+    upstream_client: str = "fast"
+    connect_timeout_s: float = 5.0
+    #: read timeout for upstream responses; None = wait as long as the generation takes
+    read_timeout_s: float | None = None
+    max_connections: int = 2048
+    #: seconds clients are told to wait in Retry-After (429 / 503)
+    retry_after_s: int = 1
+
+    # --- event stream ---------------------------------------------------------------------
+    #: events buffered per SSE subscriber before the oldest are dropped (slow consumers)
+    sse_queue: int = 10000
+    sse_keepalive_s: float = 10.0
+    #: JSONL writes are batched this often (seconds)
+    flush_interval_s: float = 0.1
+    #: include the upstream's own /metrics text in GET /metrics
+    merge_upstream_metrics: bool = True
+
+    # --- process --------------------------------------------------------------------------
+    #: exit when this process is no longer our parent (set by ``mars-vllm serve``)
+    parent_pid: int | None = None
+    log_level: str = "warning"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        self.upstream = self.upstream.rstrip("/")
+        if self.upstream.endswith("/v1"):
+            self.upstream = self.upstream[:-3]
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"upstream must be an http(s) URL, got {self.upstream!r}")
+        for name in ("admission_timeout_s", "idle_timeout_s", "step_interval_s",
+                     "window_heartbeat_s", "bytes_per_token", "connect_timeout_s",
+                     "flush_interval_s", "sse_keepalive_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.upstream_client not in ("fast", "httpx"):
+            raise ValueError("upstream_client must be 'fast' or 'httpx'")
+        if self.retry_after_s < 0 or self.max_connections < 1 or self.sse_queue < 1:
+            raise ValueError("retry_after_s must be >= 0, max_connections and sse_queue >= 1")

@@ -1,0 +1,82 @@
+"""Run ``mars sidecar`` as a subprocess (tests, benchmarks): the counterpart of
+:class:`mars.launch.ServerProcess` for a sidecar in front of an engine that already runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from mars.launch import free_port
+
+
+@dataclass
+class SidecarProcess:
+    """``python -m mars.sidecar --upstream URL ...`` on 127.0.0.1. Use as a context manager."""
+
+    upstream: str
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    log_path: str | None = None
+    startup_timeout_s: float = 60.0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "SidecarProcess":
+        self.port = self.port or free_port()
+        if self.log_path is None:
+            self.log_path = os.path.join(tempfile.mkdtemp(prefix="mars-sidecar-"), "sidecar.log")
+        cmd = [sys.executable, "-m", "mars.sidecar", "--upstream", self.upstream,
+               "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mars sidecar exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/v1/mars/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"mars sidecar not ready in {self.startup_timeout_s}s:\n{self.tail()}")
+
+    def state(self) -> dict:
+        return httpx.get(self.url + "/v1/mars/state", timeout=10).json()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except (OSError, TypeError):
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "SidecarProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

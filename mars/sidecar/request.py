@@ -1,0 +1,143 @@
+"""What the sidecar reads from a generation request: the session it belongs to.
+
+Session identity, first match wins:
+
+1. ``vllm_xargs.job_id`` (the mars convention; what the scheduler keys sessions by);
+2. the body's ``session_id`` (vLLM's own field, which vLLM itself prefers to the header);
+3. the ``X-Session-ID`` header (vLLM's), then ``x-mars-session-id`` (our agent integration),
+   then ``x-litellm-session-id`` (sent by OpenHands through LiteLLM);
+4. none: the request is a one-round session of its own.
+
+When the id came from 2 or 3 it is copied into ``vllm_xargs.job_id`` so that the engine's
+scheduler and its events see the same session as the sidecar. That is the only change ever
+made to a body; a body that already carries ``job_id`` is forwarded byte for byte (no
+re-serialisation on the hot path).
+
+Everything else in the body is the engine's business: unknown top-level fields and the other
+``vllm_xargs`` keys are passed through and vLLM answers for them. Only what the sidecar itself
+relies on is checked here (a JSON object, ``vllm_xargs`` an object, ``job_id`` / ``round`` /
+``last_round`` of a usable type), and a violation is a 400 with a message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: header fallbacks for the session id, in order
+SESSION_HEADERS = ("x-session-id", "x-mars-session-id", "x-litellm-session-id")
+MAX_SESSION_ID_LEN = 256
+
+
+class BadRequest(ValueError):
+    """The request cannot be forwarded: answered with an OpenAI-style 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A parsed ``/v1/chat/completions`` or ``/v1/completions`` request."""
+
+    #: None: no identity anywhere, a one-round session
+    session_id: str | None
+    #: where the id came from: "vllm_xargs", "body", a header name, or None
+    source: str | None
+    round: int | None
+    last_round: bool
+    #: the bytes to send upstream (the original body unless job_id was injected)
+    body: bytes
+    obj: dict[str, Any]
+
+    def prompt_tokens(self, bytes_per_token: float) -> int:
+        """Rough prompt length, for the KV-block estimate of a *new* session only.
+
+        Token-id prompts are counted exactly; text is estimated from the body size (chat
+        templates add the tool schemas and the role markup, which the body size includes).
+        """
+        prompt = self.obj.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) for t in prompt):
+                return len(prompt)
+            if all(isinstance(p, list) for p in prompt):
+                return sum(len(p) for p in prompt)
+        if isinstance(prompt, str):
+            return int(len(prompt.encode()) / bytes_per_token) + 1
+        return int(len(self.body) / bytes_per_token) + 1
+
+
+def _session_value(v: Any, where: str) -> str:
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise BadRequest(f"{where} must be a string or an integer", param=where)
+    s = str(v)
+    if not s or len(s) > MAX_SESSION_ID_LEN:
+        raise BadRequest(f"{where} must be 1..{MAX_SESSION_ID_LEN} characters", param=where)
+    return s
+
+
+def _round(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise BadRequest("vllm_xargs.round must be an integer", param="vllm_xargs.round")
+    try:
+        r = int(v)
+    except (TypeError, ValueError):
+        raise BadRequest("vllm_xargs.round must be an integer", param="vllm_xargs.round") from None
+    if isinstance(v, float) and v != r:
+        raise BadRequest("vllm_xargs.round must be an integer", param="vllm_xargs.round")
+    return r
+
+
+def _flag(v: Any) -> bool:
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no", ""):
+        return v.strip().lower() in ("true", "1", "yes")
+    raise BadRequest("vllm_xargs.last_round must be a boolean", param="vllm_xargs.last_round")
+
+
+def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
+    """Parse and check a generation request; raises :class:`BadRequest`."""
+    if not body:
+        raise BadRequest("request body is empty: expected a JSON object")
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"expected a JSON object, got {type(obj).__name__}")
+    xargs = obj.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise BadRequest("vllm_xargs must be a JSON object", param="vllm_xargs")
+
+    sid: str | None = None
+    source: str | None = None
+    job = xargs.get("job_id") if xargs else None
+    if job is not None:
+        sid, source = _session_value(job, "vllm_xargs.job_id"), "vllm_xargs"
+    else:
+        body_sid = obj.get("session_id")
+        if body_sid is not None:
+            sid, source = _session_value(body_sid, "session_id"), "body"
+        else:
+            for h in SESSION_HEADERS:
+                v = headers.get(h)
+                if v:
+                    sid, source = _session_value(v.strip(), h), h
+                    break
+
+    rnd = _round(xargs.get("round")) if xargs else None
+    last = _flag(xargs.get("last_round")) if xargs else False
+
+    if sid is not None and source != "vllm_xargs":
+        new_xargs = dict(xargs or {})
+        new_xargs["job_id"] = sid
+        obj["vllm_xargs"] = new_xargs
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return GenerateRequest(sid, source, rnd, last, body, obj)

@@ -1,0 +1,179 @@
+"""Sidecar tests that need no engine: request parsing, and a real sidecar process whose
+upstream is a closed port (the "engine down" case) for the bad-input and 503 paths.
+
+The engine-backed behaviour (pass-through, admission, faults with a real vLLM) is in
+tests/test_sidecar.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from mars.launch import free_port  # noqa: E402
+from mars.sidecar.request import BadRequest, parse_generate  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- identity
+def test_job_id_wins_and_body_is_forwarded_byte_for_byte():
+    body = b'{"model": "m", "prompt": "x",  "vllm_xargs": {"job_id": "j1", "round": 2}}'
+    req = parse_generate(body, {"x-session-id": "hdr"})
+    assert (req.session_id, req.source, req.round) == ("j1", "vllm_xargs", 2)
+    assert req.body is body  # no re-serialisation when nothing is injected
+
+
+@pytest.mark.parametrize("headers,body_sid,expected,source", [
+    ({"x-session-id": "a", "x-litellm-session-id": "c"}, None, "a", "x-session-id"),
+    ({"x-mars-session-id": "b", "x-litellm-session-id": "c"}, None, "b", "x-mars-session-id"),
+    ({"x-litellm-session-id": "c"}, None, "c", "x-litellm-session-id"),
+    ({"x-session-id": "a"}, "s", "s", "body"),
+])
+def test_fallback_ids_are_injected_into_vllm_xargs(headers, body_sid, expected, source):
+    obj = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+           "vllm_xargs": {"next_tool": "bash"}}
+    if body_sid:
+        obj["session_id"] = body_sid
+    req = parse_generate(json.dumps(obj).encode(), headers)
+    assert (req.session_id, req.source) == (expected, source)
+    sent = json.loads(req.body)
+    assert sent["vllm_xargs"] == {"next_tool": "bash", "job_id": expected}
+    sent["vllm_xargs"].pop("job_id")
+    assert sent == obj  # nothing else changed
+
+
+def test_no_identity_is_a_one_round_session():
+    body = b'{"model": "m", "prompt": [1, 2, 3]}'
+    req = parse_generate(body, {})
+    assert req.session_id is None and req.body is body
+    assert req.prompt_tokens(4.0) == 3
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b"", "empty"),
+    (b"{nope", "malformed JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"vllm_xargs": [1]}', "vllm_xargs must be a JSON object"),
+    (b'{"vllm_xargs": {"job_id": ["x"]}}', "job_id"),
+    (b'{"vllm_xargs": {"job_id": ""}}', "job_id"),
+    (b'{"vllm_xargs": {"job_id": "a", "round": "two"}}', "round"),
+    (b'{"vllm_xargs": {"job_id": "a", "last_round": "maybe"}}', "last_round"),
+])
+def test_bad_requests_are_rejected_with_a_message(body, needle):
+    with pytest.raises(BadRequest) as exc:
+        parse_generate(body, {})
+    assert needle in str(exc.value)
+
+
+# ---------------------------------------------------------------------------- engine down
+@pytest.fixture(scope="module")
+def down():
+    """A sidecar whose upstream is a closed port: every forward fails to connect."""
+    from mars.sidecar.process import SidecarProcess
+
+    with SidecarProcess(f"http://127.0.0.1:{free_port()}",
+                        ["--admission", "on", "--engine-events", "none", "--retry-after", "3"]) as sc:
+        yield sc
+
+
+def _error(r) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    assert body["error"]["code"] == r.status_code
+    return body["error"]
+
+
+def test_upstream_down_is_503_with_retry_after(down):
+    for _ in range(2):  # and again: nothing leaks between attempts
+        r = httpx.post(down.url + "/v1/chat/completions", timeout=10,
+                       headers={"x-session-id": "s-down"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.headers["retry-after"] == "3"
+        assert "unavailable" in _error(r)["message"]
+    r = httpx.post(down.url + "/v1/completions", timeout=10, json={"model": "m", "prompt": "x"})
+    assert r.status_code == 503
+    r = httpx.get(down.url + "/v1/models", timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "3"
+    st = down.state()
+    assert st["upstream"]["up"] is False and st["inflight"] == 0
+    # the one-round session ended with its request; the named one keeps its slot (an agent
+    # retries) until it ends or idles out
+    assert st["admitted"] == 1 and st["queued"] == 0
+    assert httpx.delete(down.url + "/v1/mars/sessions/s-down").status_code == 200
+    assert down.state()["admitted"] == 0
+    assert httpx.delete(down.url + "/v1/mars/sessions/s-down").status_code == 404
+    health = httpx.get(down.url + "/v1/mars/health").json()
+    assert health["status"] == "ok" and health["upstream_up"] is False
+
+
+def test_malformed_generation_request_is_400_not_forwarded(down):
+    r = httpx.post(down.url + "/v1/chat/completions", content=b"{bad json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in _error(r)["message"]
+    r = httpx.post(down.url + "/v1/completions", json={"prompt": "x", "vllm_xargs": "j"})
+    assert r.status_code == 400 and _error(r)["param"] == "vllm_xargs"
+
+
+@pytest.mark.parametrize("payload,needle", [
+    (b"not json", "malformed JSON"),
+    (b"", "empty"),
+    (b'"a string"', "list"),
+    (json.dumps([{"kind": "tool_start", "ts": 1.0, "session_id": "s", "tool": "bash",
+                  "surprise": 1}]).encode(), "surprise"),
+    (json.dumps([{"kind": "tool_end", "ts": 1.0, "session_id": "s", "tool": "bash"}]).encode(),
+     "duration_s"),
+    (json.dumps([{"kind": "no_such_kind", "ts": 1.0}]).encode(), "kind"),
+    (json.dumps([{"kind": "kv_snapshot", "ts": 1.0, "total_blocks": 1, "free_blocks": 1,
+                  "used_blocks": 0}]).encode(), "cannot be posted"),
+])
+def test_malformed_events_are_400_and_counted(down, payload, needle):
+    r = httpx.post(down.url + "/v1/mars/events", content=payload,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert needle in _error(r)["message"]
+    metrics = httpx.get(down.url + "/metrics").text
+    assert "mars_sidecar_events_rejected_total" in metrics
+    assert httpx.get(down.url + "/v1/mars/health").status_code == 200
+
+
+def test_tool_events_reach_state_and_stream(down):
+    got: list[dict] = []
+
+    def listen():
+        with httpx.stream("GET", down.url + "/v1/mars/events/stream",
+                          params={"kind": "tool_start,tool_end", "max_events": 2,
+                                  "timeout": 20}, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.append(json.loads(line[6:]))
+
+    t = threading.Thread(target=listen)
+    t.start()
+    deadline = time.monotonic() + 10
+    while down.state()["stream"]["subscribers"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    now = time.time()
+    start = {"kind": "tool_start", "ts": now, "session_id": "agent-1", "tool": "bash",
+             "call_id": "c1"}
+    r = httpx.post(down.url + "/v1/mars/events", json=[start])
+    assert r.status_code == 200 and r.json() == {"accepted": 1}
+    assert down.state()["signals"]["active_tools"] == 1
+    end = {"kind": "tool_end", "ts": now + 0.5, "session_id": "agent-1", "tool": "bash",
+           "call_id": "c1", "duration_s": 0.5}
+    assert httpx.post(down.url + "/v1/mars/events", json=end).status_code == 200  # one object
+    t.join(timeout=30)
+    assert [e["kind"] for e in got] == ["tool_start", "tool_end"]
+    sig = down.state()["signals"]
+    assert sig["active_tools"] == 0 and sig["tool_duration_ema_s"] == pytest.approx(0.5)
+    assert "mars_sidecar_tool_duration_ema_seconds 0.5" in httpx.get(down.url + "/metrics").text
+
+
+def test_bad_stream_query_is_400(down):
+    r = httpx.get(down.url + "/v1/mars/events/stream", params={"max_events": "lots"})
+    assert r.status_code == 400 and "max_events" in _error(r)["message"]
