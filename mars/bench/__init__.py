@@ -1,0 +1,199 @@
+"""``mars bench``: the paper's policy comparison (§6.3) and ablation (§6.5) on one machine.
+
+``mars bench ILR-1 --policies fcfs,autellix,infercept,continuum,continuum_dy,mars --rates
+0.1,0.2,0.3`` starts a fresh ``mars-vllm serve --policy P`` for every policy (same model, same
+flags), replays the same seeded traces against each with ``mars replay``, and writes one
+comparison: mean / P90 / P95 latency and goodput per policy and rate, MARS's ratio to the
+strongest baseline at each point, latency-vs-rate plots per regime and an ablation table.
+``runner.py`` runs it, ``report.py`` turns ``bench.json`` into tables and plots;
+``docs/bench.md`` is the manual.
+
+Exit status: 0 every point ran and every task finished; 1 bad input, or a server or replay
+failed; 3 every point ran but some task did not finish; 130 interrupted (the tables are still
+written from what finished; ``--resume`` continues).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from mars.policy.metrics import DEFAULT_SLACKS
+
+from .report import ABLATIONS, BASELINES, compare, format_tables, write_plots
+from .runner import (
+    DEFAULT_POLICIES,
+    DEFAULT_RATES,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    Bench,
+    BenchConfig,
+    BenchError,
+    default_out,
+    parse_rates,
+    resolve_policies,
+    resolve_regimes,
+)
+
+__all__ = ["ABLATIONS", "BASELINES", "Bench", "BenchConfig", "BenchError", "compare",
+           "config_from_args", "format_tables", "register", "write_plots"]
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {s})")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {s})")
+    return v
+
+
+def _cores(s: str) -> list[int]:
+    from mars.workloads.toolpool import parse_cores
+
+    try:
+        return parse_cores(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _slacks(s: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"slacks must be numbers like 2,3,5 (got {s!r})") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"slacks must be > 0 (got {s!r})")
+    return vals
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Validate everything that can be checked before a server starts (raises BenchError)."""
+    regimes = resolve_regimes(args.regimes)
+    policies = resolve_policies(args.policies, args.ablation)
+    rates = parse_rates(args.rates) if args.rates else list(DEFAULT_RATES)
+    try:
+        server_args = shlex.split(args.server_args or "")
+    except ValueError as e:
+        raise BenchError(f"--server-args: {e}") from None
+    for flag in ("--policy", "--port", "--host", "--mars-events-file", "--engine-port",
+                 "--no-sidecar"):
+        if any(a == flag or a.startswith(flag + "=") for a in server_args):
+            raise BenchError(f"--server-args must not set {flag}: mars bench sets it per server")
+    if args.resume and not args.out:
+        raise BenchError("--resume needs --out DIR (the bench to continue)")
+    if args.ideal not in ("auto", "skip") and not Path(args.ideal).exists():
+        raise BenchError(f"--ideal: {args.ideal}: no such file")
+    return BenchConfig(
+        regimes=regimes, rates=rates, policies=policies,
+        out=Path(args.out) if args.out else default_out(regimes),
+        num_tasks=args.num_tasks, seed=args.seed, scale=args.scale,
+        time_scale=args.time_scale, max_rounds=args.max_rounds,
+        context_limit=args.context_limit, server_args=server_args,
+        engine_cores=args.engine_cores, tool_cores=args.tool_cores, pin=not args.no_pin,
+        jobs=args.jobs, restart=args.restart, ideal=args.ideal,
+        ideal_cache=args.ideal_cache, slacks=args.slacks, tool_burn=args.tool_burn,
+        tool_workers=args.tool_workers,
+        request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
+        run_plots=not args.no_run_plots, progress_interval=args.progress_interval,
+        resume=args.resume)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+        return Bench(cfg).run()
+    except BenchError as e:
+        print(f"mars bench: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # e.g. an unwritable --out
+        print(f"mars bench: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # before the workers started (trace generation)
+        print("mars bench: aborted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from mars.workloads.toolpool import BURN_MODES
+
+    p = subparsers.add_parser(
+        "bench",
+        help="compare scheduling policies: a fresh server per policy, the same seeded "
+             "traces, one comparison (paper §6.3, §6.5)",
+        description=(
+            "Start `mars-vllm serve --policy P` for every policy (same model, same flags), "
+            "replay the same seeded traces of each REGIME at each rate with `mars replay`, "
+            "and write one comparison: mean/P90/P95 latency and goodput per policy and "
+            "rate, MARS's ratio to the strongest baseline at each point, latency-vs-rate "
+            "plots per regime and an ablation table. See docs/bench.md."),
+        epilog=(
+            "example (tiny model on CPU): mars bench ILR-1 --ablation --rates 0.1,0.3 "
+            "--num-tasks 8 --scale 20 --time-scale 10 "
+            "--server-args='--max-model-len 4096 --kv-cache-memory-bytes 4194304'"),
+    )
+    p.add_argument("regimes", nargs="+", metavar="REGIME",
+                   help="workload regimes (ILR-1..4, S-ILR-1..3; several or comma-separated)")
+    p.add_argument("--policies", metavar="LIST",
+                   help=f"comma-separated policies, or 'all' (default: {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--ablation", action="store_true",
+                   help=f"also run mars and its ablations ({', '.join(ABLATIONS)})")
+    p.add_argument("--rates", metavar="LIST",
+                   help="arrival rates in tasks/s of nominal time (before --time-scale), "
+                        f"comma-separated (default: {','.join(map(str, DEFAULT_RATES))})")
+    p.add_argument("--num-tasks", type=_positive_int, default=20, metavar="N",
+                   help="tasks per point (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="trace and content seed (default: 0)")
+    p.add_argument("--scale", type=_positive_float, default=1.0, metavar="F",
+                   help="divide token counts by F (tiny models; default 1)")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="T",
+                   help="divide arrival times and tool durations by T (default 1)")
+    p.add_argument("--max-rounds", type=_positive_int, metavar="N",
+                   help="cut every task after N rounds (smoke tests)")
+    p.add_argument("--context-limit", type=_positive_int, metavar="TOKENS",
+                   help="generator's full-scale context limit (default: the regime's)")
+    p.add_argument("--server-args", metavar="'ARGS'",
+                   help="extra `mars-vllm serve` arguments for every server, one shell-quoted "
+                        "string; write it with '=' (--server-args='MODEL --max-num-seqs 8')")
+    p.add_argument("--engine-cores", type=_cores, metavar="LIST",
+                   help="cores of the servers (default: all but the last)")
+    p.add_argument("--tool-cores", type=_cores, metavar="LIST",
+                   help="cores of the CPU-bound tools (default: the last)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin servers and tools")
+    p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="run N servers at once: smoke tests only, the latencies are then not "
+                        "comparable (default: 1)")
+    p.add_argument("--restart", choices=("auto", "policy", "point"), default="auto",
+                   help="a fresh server per policy, per (regime, rate) point, or 'auto' "
+                        "(default): per point for the policies whose sidecar admission keeps "
+                        "state between runs (mars, mars_no_coord, mars_no_cosched), per "
+                        "policy for the rest")
+    p.add_argument("--ideal", default="auto", metavar="auto|skip|FILE",
+                   help="ideal latencies for goodput: 'auto' measures them once per regime "
+                        "(or takes them from the cache), 'skip', or a FILE for every point")
+    p.add_argument("--ideal-cache", metavar="DIR", help="ideal cache directory (see mars replay)")
+    p.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
+                   help="goodput slack factors (default 2,3,5)")
+    p.add_argument("--tool-burn", choices=BURN_MODES, default="cpu",
+                   help="CPU-bound tools burn CPU time (cpu, default) or wall time (wall)")
+    p.add_argument("--tool-workers", type=_positive_int, metavar="N",
+                   help="concurrent CPU-bound tools (default: one per tool core)")
+    p.add_argument("--request-timeout", type=_positive_float, default=3600.0, metavar="S",
+                   help="per-call timeout of the replays (default 3600)")
+    p.add_argument("--startup-timeout", type=_positive_float, default=600.0, metavar="S",
+                   help="give up on a server not ready after S seconds (default 600)")
+    p.add_argument("--no-run-plots", action="store_true",
+                   help="skip each replay's own plots (the comparison plots are still drawn)")
+    p.add_argument("--progress-interval", type=_positive_float, default=30.0, metavar="S",
+                   help="seconds between progress lines (default 30)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default runs/bench-<regimes>-<time>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the bench in --out: reuse its finished points")
+    p.set_defaults(func=cmd_bench)

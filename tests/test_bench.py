@@ -1,0 +1,311 @@
+"""``mars bench``: every policy serves a scaled ILR-1 replay end to end, and the comparison.
+
+The engine test starts ONE ``mars-vllm serve --policy NAME`` per name in ``POLICY_NAMES``
+(small KV cache, tiny model, eager mode) through ``mars bench --policies all`` and replays
+2 scaled ILR-1 tasks of at most 3 rounds against each. Server start-up dominates (30-110 s
+each on the shared 2-core machine), so the bench runs 3 servers at once (``--jobs 3``: a
+smoke-test mode whose latencies are not comparable, which is fine here: this checks that
+every policy serves correctly, not which is faster). A second engine test interrupts a bench
+mid-replay (SIGINT) and checks that it stops cleanly with partial results; the rest (report
+maths, tables, plots, errors, ``--resume``) needs no server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mars.bench.report import compare, format_tables, write_plots
+from mars.bench.runner import cut_rounds, replay_progress
+from mars.policy.registry import POLICY_NAMES, get_policy
+from tests.conftest import BASE_ARGS
+
+SMOKE = ["ILR-1", "--rates", "1", "--num-tasks", "2", "--scale", "200", "--time-scale", "50",
+         "--max-rounds", "3", "--seed", "0", "--no-run-plots", "--progress-interval", "20",
+         "--server-args=" + " ".join(BASE_ARGS)]
+
+
+def _bench(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mars.cli", "bench", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _mars(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mars.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------- no server needed
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["ILR-9"], "unknown regime 'ILR-9'; known: ILR-1"),
+    (["ILR-1", "--policies", "fcfs,nope"], "unknown policy 'nope'; valid: fcfs, mars"),
+    (["ILR-1", "--rates", "0.1,-2"], "--rates must be > 0"),
+    (["ILR-1", "--server-args=--policy mars"], "must not set --policy"),
+    (["ILR-1", "--resume"], "--resume needs --out"),
+])
+def test_bad_input_is_one_clear_line(args, msg, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", *args], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("mars bench: ") and msg in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_cut_rounds_keeps_a_valid_append_only_trace():
+    from mars.workloads.generator import generate
+    from mars.workloads.trace import loads_trace, dumps_trace
+
+    tr = generate("ILR-1", num_tasks=4, rate=1, seed=0, scale=50)
+    cut = cut_rounds(tr, 3)
+    assert all(t.num_rounds == min(3, o.num_rounds) for t, o in zip(cut.tasks, tr.tasks))
+    for t, o in zip(cut.tasks, tr.tasks):
+        assert t.rounds[-1].tool is None and t.rounds[-1].tool_duration_s == 0
+        assert t.prompt_lengths() == o.prompt_lengths()[:t.num_rounds]
+    assert loads_trace(dumps_trace(cut)).tasks == cut.tasks  # the reader accepts it
+    assert cut.header.params["max_rounds"] == 3
+
+
+def test_replay_progress_reads_the_tqdm_line(tmp_path):
+    log = tmp_path / "replay.log"
+    log.write_text("mars replay: ILR-1 ...\nfcfs:  20%|##   | 2/10 [00:03<00:12, 0.6task/s, "
+                   "active=3 llm=2 rounds=14 tools=1+0q]\rfcfs:  30%|###  | 3/10 [00:04<00:10,"
+                   " 0.6task/s, active=2 llm=1 rounds=19 tools=1+1q]")
+    assert replay_progress(log) == "load run 3/10 tasks, active=2 llm=1 rounds=19 tools=1+1q"
+    assert replay_progress(tmp_path / "missing.log") == "starting"
+
+
+def _pt(policy, rate, mean, p90, p95, g3, done=10, total=10, regime="ILR-1"):
+    return {"regime": regime, "rate": rate, "policy": policy, "status": "done",
+            "summary": {"tasks_done": done, "tasks_total": total, "complete": done == total,
+                        "latency_s": {"mean": mean, "p90": p90, "p95": p95},
+                        "goodput": {"2": g3 / 2, "3": g3, "5": g3}}}
+
+
+def _doc():
+    pts = [
+        _pt("fcfs", 0.1, 10, 20, 30, 0.10), _pt("continuum", 0.1, 8, 25, 26, 0.20),
+        _pt("mars", 0.1, 4, 12, 28, 0.30),
+        _pt("fcfs", 0.2, 20, 40, 50, 0.0), _pt("continuum", 0.2, 5, 9, 10, 0.0, done=9),
+        _pt("mars", 0.2, 10, 30, 40, 0.05),
+        _pt("mars_no_coord", 0.1, 8, 20, 30, 0.1), _pt("mars_no_ctrl", 0.1, 2, 10, 14, 0.6),
+        _pt("mars_no_coord", 0.2, 30, 40, 60, 0.01),
+    ]
+    return {"schema": "mars-bench", "version": 1, "points": pts,
+            "config": {"regimes": ["ILR-1"], "rates": [0.1, 0.2], "slacks": [2, 3, 5],
+                       "time_scale": 10,
+                       "policies": ["fcfs", "continuum", "mars", "mars_no_coord",
+                                    "mars_no_ctrl"]}}
+
+
+def test_compare_picks_the_strongest_complete_baseline_per_metric():
+    cmp = compare(_doc())
+    assert cmp["baselines"] == ["fcfs", "continuum"]
+    r1, r2 = cmp["vs_baseline"]
+    m = r1["metrics"]
+    assert (m["mean"]["best"], m["mean"]["ratio"]) == ("continuum", 2.0)  # 8 / 4
+    assert (m["p90"]["best"], m["p90"]["ratio"]) == ("fcfs", 20 / 12)
+    assert (m["p95"]["best"], m["p95"]["ratio"]) == ("continuum", 26 / 28)  # MARS loses P95
+    assert (m["goodput@3"]["best"], m["goodput@3"]["ratio"]) == ("continuum", 0.30 / 0.20)
+    # continuum did not finish every task at 0.2: never the strongest baseline there
+    m = r2["metrics"]
+    assert m["mean"]["best"] == "fcfs" and m["mean"]["ratio"] == 2.0
+    assert math.isinf(m["goodput@3"]["ratio"])  # MARS > 0, every baseline 0
+    w = cmp["wins"]
+    assert w["mean"] == {"better": 2, "points": 2} and w["p95"] == {"better": 1, "points": 2}
+    # ablation: variant / mars for latency, mars / variant for goodput (> 1: component helps)
+    a1, a2 = cmp["ablation"]
+    assert a1["metrics"]["mean"]["mars_no_coord"]["ratio"] == 2.0
+    assert a1["metrics"]["mean"]["mars_no_ctrl"]["ratio"] == 0.5
+    assert a1["metrics"]["goodput@3"]["mars_no_ctrl"]["ratio"] == 0.5
+    assert math.isnan(a2["metrics"]["mean"]["mars_no_ctrl"]["ratio"])  # not run
+
+
+def test_tables_and_plots(tmp_path):
+    doc = _doc()
+    text = format_tables(doc)
+    assert "### ILR-1: task latency and goodput per policy and rate" in text
+    assert "| 0.1 | mars | 10/10 | **4.00** | **12.00** | 28.00 |" in text
+    assert "| 0.2 | continuum | 9/10 ! |" in text
+    assert "| ILR-1 | 0.1 | 2.00× (vs continuum) | 1.67× (vs fcfs) | 0.93× (vs continuum) |" in text
+    assert "∞ (vs fcfs)" in text
+    assert "mean latency 2/2, P90 2/2, P95 1/2" in text
+    assert "| ILR-1 | 0.1 | mean (s) | 4.00 | 8.00 (2.00×) | 2.00 (0.50×) |" in text
+    pytest.importorskip("matplotlib")
+    plots = write_plots(doc, tmp_path)
+    assert set(plots) == {"latency_vs_rate_ILR-1", "goodput_vs_rate_ILR-1", "ablation_ILR-1"}
+    assert all(Path(p).stat().st_size > 5000 for p in plots.values())
+
+
+# ------------------------------------------------------------------------- with servers
+
+
+def _server_pids_under(path: Path) -> list[int]:
+    """Processes whose command line names ``path`` (the servers' event files live there)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in cmd:
+            out.append(int(d.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("bench") / "all"
+    cache = tmp_path_factory.mktemp("ideal-cache")
+    t0 = time.monotonic()
+    proc = _bench(*SMOKE, "--policies", "all", "--jobs", "3", "--ideal-cache", str(cache),
+                  "--out", str(out))
+    try:
+        stdout, stderr = proc.communicate(timeout=1500)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    wall = time.monotonic() - t0
+    print(f"\nmars bench --policies all --jobs 3: {wall:.0f}s", file=sys.stderr)
+    return out, proc.returncode, stdout, stderr, cache
+
+
+@pytest.mark.engine
+def test_bench_runs_every_policy_and_writes_the_comparison(smoke):
+    out, rc, stdout, stderr, _ = smoke
+    assert rc == 0, stderr[-4000:]
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["config"]["policies"][0] == "fcfs"  # measures the ideal latencies
+    assert sorted(doc["config"]["policies"]) == sorted(POLICY_NAMES)
+    assert doc["config"]["comparable"] is False  # --jobs 3
+    assert [p["status"] for p in doc["points"]] == ["done"] * len(POLICY_NAMES)
+    assert doc["ideal"]["ILR-1"] and Path(doc["ideal"]["ILR-1"]).exists()
+    # the printed comparison has every section, and report.md has it with the command
+    for head in ("### ILR-1: task latency", "### MARS vs the strongest baseline",
+                 "### Ablation: MARS without one component"):
+        assert head in stdout
+    report = (out / "report.md").read_text()
+    assert "mars bench ILR-1 --rates 1" in report and stdout.strip() in report
+    for name in ("latency_vs_rate_ILR-1", "goodput_vs_rate_ILR-1", "ablation_ILR-1"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 5000
+    cmp = doc["comparison"]
+    assert cmp["baselines"] == ["fcfs", "autellix", "infercept", "continuum", "continuum_dy"]
+    assert cmp["vs_baseline"][0]["metrics"]["mean"]["ratio"] > 0
+    assert set(cmp["variants"]) == {"mars_no_coord", "mars_no_ctrl", "mars_no_cosched"}
+    assert "[fcfs] server up in" in stderr and "replaying" in stderr
+    assert _server_pids_under(out) == []  # every server stopped
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_policy_serves_the_scaled_replay(smoke, policy):
+    """Each policy's own server completed every task, exactly as the trace says."""
+    from mars.workloads.results import read_results
+    from mars.workloads.trace import read_trace
+
+    out, _, _, _, _ = smoke
+    doc = json.loads((out / "bench.json").read_text())
+    (pt,) = [p for p in doc["points"] if p["policy"] == policy]
+    assert pt["status"] == "done" and pt["returncode"] == 0, pt
+    res = read_results(pt["dir"])
+    trace = read_trace(out / "traces" / "ILR-1" / "rate-1.jsonl")
+    assert res.label == policy and res.mode == "load"
+    assert [t.status for t in res.tasks] == ["completed"] * 2
+    assert [len(t.rounds) for t in res.tasks] == [t.num_rounds for t in trace.tasks]
+    assert all(t.num_rounds <= 3 for t in trace.tasks)
+    rounds = [r for t in res.tasks for r in t.rounds]
+    assert all(r.output_tokens == r.planned_output_tokens for r in rounds)
+    assert all(r.end_s >= (r.first_token_s or 0) >= r.submit_s for r in rounds)
+    assert res.cached_tokens_source == "usage"
+    assert all(r.cached_tokens > 0 for r in rounds if r.index >= 1)  # prefix cache at work
+    for t, tt in zip(res.tasks, trace.tasks):
+        assert t.latency_s >= tt.tool_time_s * 0.9  # tools are part of the latency
+        assert t.ideal_s and t.ideal_s > 0  # judged against the shared ideal latencies
+    s = pt["summary"]
+    assert s["complete"] and s["tasks_done"] == 2 and s["goodput_evaluated"] == 2
+    assert 0 < s["latency_s"]["mean"] < 60
+    # the server ran this policy, with the sidecar's admission as the registry says
+    log = Path(doc["servers"][policy]["log"]).read_text(errors="replace")
+    assert f"mars: policy={policy} " in log
+    admission = "on" if get_policy(policy).sidecar_admission else "off"
+    assert f"(admission {admission}," in log
+
+
+@pytest.mark.engine
+def test_resume_reuses_finished_points_without_a_server(smoke, tmp_path):
+    out, _, stdout, _, cache = smoke
+    copy = tmp_path / "resumed"
+    shutil.copytree(out, copy)
+    proc = _bench(*SMOKE, "--policies", "all", "--jobs", "3", "--ideal-cache", str(cache),
+                  "--out", str(copy), "--resume")
+    so, se = proc.communicate(timeout=300)
+    assert proc.returncode == 0, se[-3000:]
+    assert f"{len(POLICY_NAMES)} points ({len(POLICY_NAMES)} reused), 0 server start(s)" in se
+    assert "starting `mars-vllm serve" not in se
+    doc = json.loads((copy / "bench.json").read_text())
+    assert all(p["reused"] for p in doc["points"])
+    assert so.replace("| reused |", "|  |") == stdout  # the same tables (noted as reused)
+    # a bench directory is never overwritten by accident
+    r = _mars("bench", *SMOKE, "--policies", "all", "--out", str(copy), timeout=120)
+    assert r.returncode == 1 and "--resume" in r.stderr
+
+
+@pytest.mark.engine
+def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path):
+    """SIGINT mid-replay: the replay stops and writes its partial results, the server is
+    stopped, the tables are written, exit 130. Tools are not compressed here (time-scale 1),
+    so the tasks are still running when the signal comes."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "b"
+    args = ["ILR-1", "--policies", "fcfs", "--rates", "0.05", "--num-tasks", "3", "--scale",
+            "200", "--seed", "0", "--ideal", "skip", "--no-run-plots",
+            "--progress-interval", "5", "--server-args=" + " ".join(BASE_ARGS), "--out", str(out)]
+    proc = _bench(*args)
+    lines: list[str] = []
+    deadline = time.monotonic() + 600
+    assert proc.stderr is not None
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "replaying" in line:
+                time.sleep(3)  # into the run: round 0 done, tools running
+                proc.send_signal(signal.SIGINT)
+                break
+        else:
+            pytest.fail("the replay never started:\n" + "".join(lines))
+        t0 = time.monotonic()
+        so, se = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    se = "".join(lines) + se
+    assert proc.returncode == 130, se[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert "interrupted" in se and "--resume" in se
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["run"]["interrupted"] is True
+    (pt,) = doc["points"]
+    assert pt["status"] == "interrupted" and pt["returncode"] == 130
+    res = json.loads((Path(pt["dir"]) / "results.json").read_text())
+    assert res["run"]["interrupted"] is True
+    assert {t["status"] for t in res["tasks"]} <= {"interrupted", "not_started", "completed"}
+    assert "### ILR-1: task latency" in so and (out / "report.md").exists()
+    assert "interrupted" in (out / "report.md").read_text()
+    assert _server_pids_under(out) == []
