@@ -263,13 +263,15 @@ class _MarsSchedulerMixin:
         if now >= self._mars_next_tick:
             self._mars_next_tick = now + self._mars_tick_s
             self._mars_tick(now)
-        if now >= self._mars_next_snapshot:
-            self._mars_next_snapshot = now + self._mars_snapshot_s
-            self._mars_snapshot(now)
         if self._mars_order_on:
             self._mars_sort()
         self.mars_counters["steps"] += 1
         out = super().schedule(*args, **kwargs)
+        if now >= self._mars_next_snapshot:
+            # after scheduling: a request that just arrived at an idle engine is running
+            # now, not "waiting with nothing running" (which the sidecar reads as a queue)
+            self._mars_next_snapshot = now + self._mars_snapshot_s
+            self._mars_snapshot(now)
         if out.scheduled_new_reqs:
             for new in out.scheduled_new_reqs:
                 rid = new.req_id
