@@ -153,7 +153,12 @@ def main() -> int:
                     help="wait until the 1-min load average is at most this ... (default: %(default)s)")
     ap.add_argument("--quiet-wait", type=float, default=300,
                     help="... for at most this many seconds, then start anyway (default: %(default)s)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="only print the table of results saved earlier with --json")
     args = ap.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return 0
     concs = [int(c) for c in args.concurrency.split(",")]
     wait_quiet(args.quiet_load, args.quiet_wait)
     load0 = os.getloadavg()
@@ -216,14 +221,27 @@ def main() -> int:
             sc.stop()
         server.stop()
     load1 = os.getloadavg()
+    results = {"latency_s": lat, "throughput_tok_s": thr, "throughput_ratio": ratio,
+               "sidecar_cpu_us_per_req": cpu_per_req, "stream_cpu_s": stream_cpu,
+               "loadavg": [load0, load1], "args": vars(args), "argv": sys.argv[1:]}
+    print()
+    print(render(json.loads(json.dumps(results))))  # same path as --render
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
 
-    d50, d99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
+
+def render(res: dict) -> str:
+    """The markdown table (and its notes) from a results dict (as saved with --json)."""
+    lat, thr, ratio = res["latency_s"], res["throughput_tok_s"], res["throughput_ratio"]
+    cpu_per_req, stream_cpu, args = res["sidecar_cpu_us_per_req"], res["stream_cpu_s"], res["args"]
+    concs = list(thr["direct"])
+    d99 = pct(lat["direct"], 0.99)
     head = ["target", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "sidecar CPU/req µs"]
-    head += [f"stream tok/s ×{c} (vs direct)" for c in concs]
-    head += ["CPU µs/streamed token: sidecar / vLLM API / EngineCore",
-             "CPU-bound ratio"]
-    rows = []
-    for name in targets:
+    head += [f"stream ×{c}" for c in concs]
+    head += ["CPU µs/streamed token: sidecar / vLLM API server"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in lat:
         p50, p99 = pct(lat[name], 0.5), pct(lat[name], 0.99)
         added = name != "direct"
         # added p50: median of the per-round differences (each round calls every target
@@ -234,39 +252,24 @@ def main() -> int:
                f"{(p99 - d99) * 1e3:+.2f}" if added else "—",
                f"{cpu_per_req[name]:.0f}" if name in cpu_per_req else "—"]
         for c in concs:
-            row.append(f"{thr[name][c]:.0f} ({ratio[name][c]:.1%})")
+            row.append(f"{ratio[name][c]:.1%}" if added else f"{thr[name][c]:.0f} tok/s")
         sc = stream_cpu[name]
         per_tok = lambda k, sc=sc: sc[k] / max(1, sc["tokens"]) * 1e6  # noqa: E731
-        row.append(f"{per_tok('sidecar'):.0f} / {per_tok('api'):.0f} / {per_tok('engine'):.0f}"
-                   if added else f"— / {per_tok('api'):.0f} / {per_tok('engine'):.0f}")
-        d = stream_cpu["direct"]
-        stack_direct = (d["api"] + d["engine"]) / max(1, d["tokens"])
-        stack = (sc["api"] + sc["engine"] + sc["sidecar"]) / max(1, sc["tokens"])
-        row.append(f"{stack_direct / stack:.1%}" if stack else "—")
-        rows.append(row)
-    print()
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print()
-    print(f"Machine: {os.cpu_count()} CPUs, load average {load0[0]:.1f} before / "
-          f"{load1[0]:.1f} after; {args.requests} sequential 1-token calls per target "
-          f"(added p50 = median of paired differences, added p99 = p99 − direct p99); "
-          f"streams of {args.tokens} tokens, medians over {args.reps} rotated repetitions. "
-          f"CPU from /proc; the `sidecar` one also reads the engine's event stream (in the "
-          f"latency phase that stream carries every target's traffic). CPU-bound ratio = "
-          f"(API server + EngineCore CPU per token, direct) / (API server + EngineCore + "
-          f"sidecar CPU per token, via the target): the throughput ratio to expect when the "
-          f"machine's cores are the bottleneck, and far less sensitive to other load than "
-          f"the measured tok/s.")
-    print("Command: `.venv/bin/python experiments/bench_proxy.py " + " ".join(sys.argv[1:]) + "`")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "latency_s": lat, "throughput_tok_s": thr, "throughput_ratio": ratio,
-            "sidecar_cpu_us_per_req": cpu_per_req, "stream_cpu_s": stream_cpu,
-            "loadavg": [load0, load1], "args": vars(args)}, indent=1))
-    return 0
+        row.append(f"{per_tok('sidecar'):.0f} / {per_tok('api'):.0f}" if added
+                   else f"— / {per_tok('api'):.0f}")
+        lines.append("| " + " | ".join(row) + " |")
+    load0, load1 = res["loadavg"]
+    lines += ["", (
+        f"Machine: {os.cpu_count()} CPUs, load average {load0[0]:.1f} before / {load1[0]:.1f} "
+        f"after. Latency: {args['requests']} sequential 1-token calls per target; added p50 = "
+        f"median of the per-round differences to direct, added p99 = p99 − direct p99. "
+        f"Streams of {args['tokens']} tokens: direct in tok/s, the others as the median over "
+        f"{args['reps']} rotated repetitions of their tok/s over direct's in the same "
+        f"repetition. CPU from /proc (10 ms ticks); the `sidecar` one also reads the engine's "
+        f"event stream, which in the latency phase carries every target's traffic."),
+        "Command: `.venv/bin/python experiments/bench_proxy.py " + " ".join(res.get("argv", []))
+        + "`"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The unified information stream at the sidecar: one ordered merge of engine, tool and
 control events, fed to the control plane and fanned out to SSE subscribers and a JSONL file.
 
-Everything here runs on the event loop thread (the engine reader hands its batches over with
-``call_soon_threadsafe``), so the merge order is simply the order of :meth:`EventHub.publish`
-calls and no lock is needed. Publishing never waits: each subscriber has a bounded buffer
+Everything here runs on the event loop thread (the engine reader is driven by the loop too),
+so the merge order is simply the order of :meth:`EventHub.publish` calls and no lock is
+needed. Publishing never waits: each subscriber has a bounded buffer
 (oldest dropped and counted when a consumer is slow) and file lines are batched and written by
 the flush timer. An event is serialised at most once, and only if someone reads it.
 """
