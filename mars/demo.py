@@ -14,27 +14,12 @@ The first run also measures each task alone for the goodput SLOs; that is cached
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
-import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-
-@contextlib.contextmanager
-def _affinity(cores: list[int] | None) -> Iterator[None]:
-    """Pin the calling thread while a child is started: the child inherits the mask."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, old)
+from mars.launch import pinned_to
 
 
 def split_cores(available: list[int]) -> tuple[list[int], list[int]]:
@@ -61,7 +46,7 @@ def run_demo(args: argparse.Namespace) -> int:
     env = {"VLLM_CPU_OMP_THREADS_BIND": format_cores(engine)}
     srv = ServerProcess(args=["--policy", args.policy, "--max-model-len", "32768",
                               "--enable-prompt-tokens-details"], env=env)
-    with _affinity(engine):
+    with pinned_to(engine):
         srv.start()
     try:
         print(f"  server up at {srv.url} in {time.monotonic() - t0:.0f}s "

@@ -3,6 +3,7 @@ demo so that they all run the server exactly as a user would (a real subprocess,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,10 +11,47 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+
+@contextlib.contextmanager
+def pinned_to(cores: list[int] | None) -> Iterator[None]:
+    """Pin the calling thread while a child is started: the child inherits the mask."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+def tail_file(path: str | None, n: int = 40) -> str:
+    """The last ``n`` lines of a log file ("" if there is none yet)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except (OSError, TypeError):
+        return ""
+
+
+def stop_process_group(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
+    """SIGTERM the child's process group, SIGKILL it if it does not exit in time."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
 
 
 def free_port() -> int:
@@ -90,22 +128,10 @@ class ServerProcess:
         raise TimeoutError(f"mars-vllm serve not ready in {self.startup_timeout_s}s:\n{self.tail()}")
 
     def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return tail_file(self.log_path, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.proc, 30.0)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

@@ -50,13 +50,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from mars.policy.metrics import DEFAULT_SLACKS
+from mars.launch import pinned_to
 
 from .report import BASELINES, MARS, compare, format_tables, rate_key, write_plots
 
@@ -320,20 +321,6 @@ def replay_progress(log: Path) -> str:
             phase = "ideal run" if seg.lstrip().startswith("ideal") else "load run"
             return f"{phase} {m.group(1)}/{m.group(2)} tasks, {m.group(3).strip()}"
     return "starting"
-
-
-@contextlib.contextmanager
-def _affinity(cores: list[int] | None) -> Iterator[None]:
-    """Pin the calling thread while a child starts (the child inherits the mask)."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, old)
 
 
 def warm_up(url: str, timeout_s: float = 120.0) -> str | None:
@@ -643,7 +630,7 @@ class Bench:
             self.starting[label] = (srv, t0)
         try:
             try:
-                with _affinity(self.engine_cores):
+                with pinned_to(self.engine_cores):
                     srv.start()
             except Exception as e:  # noqa: BLE001 - any start failure is reported, not raised
                 stopped = self.stop.is_set()

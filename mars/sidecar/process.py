@@ -4,17 +4,15 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
-from mars.launch import free_port
+from mars.launch import free_port, stop_process_group, tail_file
 
 
 @dataclass
@@ -58,22 +56,10 @@ class SidecarProcess:
         return httpx.get(self.url + "/v1/mars/state", timeout=10).json()
 
     def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-        except (OSError, TypeError):
-            return ""
+        return tail_file(self.log_path, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.proc, 15.0)
 
     def __enter__(self) -> "SidecarProcess":
         return self.start()
