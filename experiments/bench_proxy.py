@@ -14,6 +14,14 @@ target against the engine itself:
   streams' usage chunks; each repetition runs every target once (order rotated) and the
   ratio is the median over repetitions of target / direct.
 
+Cores (unless ``--no-split-cores``): EngineCore (one torch thread) on core 0; vLLM's API server,
+the sidecars and this load generator on the others -- the shape of a GPU host, where the
+engine computes on the device and the HTTP frontends share the CPU. Unsplit, the engine's
+threads take whichever core is free on this 2-core machine, so every microsecond the sidecar
+spends comes out of the engine's throughput and the ratio measures core contention. The load
+generator is a raw-socket client that only collects bytes (httpx's per-line SSE parsing cost
+more CPU per token than the sidecar) and is the same for every target.
+
 It first waits (bounded) for a quiet machine (``--quiet-load``): on a shared 2-core machine
 other work swamps a sub-millisecond signal.
 
@@ -33,8 +41,10 @@ import json
 import os
 import statistics
 import sys
+import re
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -115,29 +125,75 @@ def latency(targets: dict[str, str], n: int, session: dict[str, str | None]) -> 
     return samples
 
 
-async def stream_run(url: str, conc: int, tokens: int, tag: str) -> float:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        async def one(i: int) -> int:
-            body = {"model": MODEL, "prompt": [5, 6, 7, 8 + i % 64], "max_tokens": tokens,
-                    "ignore_eos": True, "stream": True, "temperature": 0,
-                    "stream_options": {"include_usage": True},
-                    "vllm_xargs": {"job_id": f"{tag}-{i}", "last_round": True}}
-            n = 0
-            async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith('data: {"') and '"usage":{' in line:
-                        usage = json.loads(line[6:]).get("usage")
-                        if usage:
-                            n = usage["completion_tokens"]
-            return n
+_USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
-        t = time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(conc)))
-        dt = time.perf_counter() - t
+
+async def _one_stream(host: str, port: int, body: bytes) -> int:
+    """One streamed completion over a raw HTTP/1.1 connection; returns completion tokens.
+
+    The load generator shares the frontends' core with vLLM's API server and the sidecar, so
+    it must be light: it only collects the bytes as they come (no SSE or chunked parsing per
+    token, which in httpx cost more CPU than the sidecar itself) and reads the usage chunk at
+    the end. Both targets get exactly this client.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        parts = []
+        while data := await reader.read(1 << 16):
+            parts.append(data)
+    finally:
+        writer.close()
+    raw = b"".join(parts)
+    if not raw.startswith(b"HTTP/1.1 200"):
+        raise AssertionError(raw[:300])
+    found = _USAGE.findall(raw)
+    return int(found[-1]) if found else 0
+
+
+async def stream_run(url: str, conc: int, tokens: int, tag: str) -> float:
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+
+    def body(i: int) -> bytes:
+        return json.dumps({
+            "model": MODEL, "prompt": [5, 6, 7, 8 + i % 64], "max_tokens": tokens,
+            "ignore_eos": True, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True},
+            "vllm_xargs": {"job_id": f"{tag}-{i}", "last_round": True}}).encode()
+
+    bodies = [body(i) for i in range(conc)]
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(_one_stream(host, port, b) for b in bodies))
+    dt = time.perf_counter() - t
     assert all(c == tokens for c in counts), counts
     return sum(counts) / dt
+
+
+def split_cores(server_pid: int, sidecar_pids: list[int]) -> dict[str, list[int]] | None:
+    """EngineCore on core 0; vLLM's API server, the sidecars and this load generator on the
+    others. On a GPU host the engine computes on the device and the HTTP frontends have CPU to
+    themselves; on this 2-core CPU host an unpinned engine's torch threads take whichever core
+    is free, so any CPU the sidecar uses comes straight out of the engine's throughput and the
+    ratio measures core contention, not the proxy. Every thread of each process is pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    engine, front = cores[:1], cores[1:]
+
+    def pin(pid: int, to: list[int]) -> None:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), to)
+            except OSError:
+                pass
+
+    for pid in engine_pids(server_pid):
+        pin(pid, engine)
+    for pid in [server_pid, *sidecar_pids, os.getpid()]:
+        pin(pid, front)
+    return {"engine": engine, "frontends": front}
 
 
 def main() -> int:
@@ -153,6 +209,9 @@ def main() -> int:
                     help="wait until the 1-min load average is at most this ... (default: %(default)s)")
     ap.add_argument("--quiet-wait", type=float, default=300,
                     help="... for at most this many seconds, then start anyway (default: %(default)s)")
+    ap.add_argument("--no-split-cores", action="store_true",
+                    help="leave every process on every core (default: EngineCore on core 0, "
+                         "the HTTP frontends and the load generator on the others)")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="only print the table of results saved earlier with --json")
     args = ap.parse_args()
@@ -164,8 +223,12 @@ def main() -> int:
     load0 = os.getloadavg()
 
     print("starting mars-vllm serve (tiny model) ...", file=sys.stderr, flush=True)
+    split = not args.no_split_cores and len(os.sched_getaffinity(0)) >= 2
     server = ServerProcess(args=["--max-model-len", "4096", "--max-num-seqs", str(max(concs)),
-                                 "--seed", "0"]).start()
+                                 "--seed", "0"],
+                           # one torch thread, on the engine's core
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "0"} if split else None).start()
+    cores = None
     sidecars: list[SidecarProcess] = []
     try:
         targets = {"direct": server.engine_url, "sidecar": server.url}
@@ -181,6 +244,8 @@ def main() -> int:
             sidecars.append(hx)
             targets["sidecar/httpx"], pids["sidecar/httpx"] = hx.url, hx.proc.pid
         session = {name: (f"lat-{name}" if "admission" in name else None) for name in targets}
+        if split:
+            cores = split_cores(server.proc.pid, [p for p in pids.values() if p])
 
         print(f"latency: {args.requests} sequential calls per target ...", file=sys.stderr,
               flush=True)
@@ -223,7 +288,7 @@ def main() -> int:
     load1 = os.getloadavg()
     results = {"latency_s": lat, "throughput_tok_s": thr, "throughput_ratio": ratio,
                "sidecar_cpu_us_per_req": cpu_per_req, "stream_cpu_s": stream_cpu,
-               "loadavg": [load0, load1], "args": vars(args), "argv": sys.argv[1:]}
+               "loadavg": [load0, load1], "cores": cores, "args": vars(args), "argv": sys.argv[1:]}
     print()
     print(render(json.loads(json.dumps(results))))  # same path as --render
     if args.json:
@@ -266,7 +331,10 @@ def render(res: dict) -> str:
         f"Streams of {args['tokens']} tokens: direct in tok/s, the others as the median over "
         f"{args['reps']} rotated repetitions of their tok/s over direct's in the same "
         f"repetition. CPU from /proc (10 ms ticks); the `sidecar` one also reads the engine's "
-        f"event stream, which in the latency phase carries every target's traffic."),
+        f"event stream, which in the latency phase carries every target's traffic. "
+        + (f"Cores: EngineCore on {res['cores']['engine']}, vLLM's API server, the sidecars "
+           f"and the load generator on {res['cores']['frontends']}."
+           if res.get("cores") else "Cores: not split.")),
         "Command: `.venv/bin/python experiments/bench_proxy.py " + " ".join(res.get("argv", []))
         + "`"]
     return "\n".join(lines)

@@ -118,21 +118,34 @@ def test_starved_call_goes_ahead_of_fresh_level0_calls():
     assert pol.level_of("starved") == 0
 
 
-def test_eviction_order_larger_blocks_at_back_within_level():
+def test_eviction_order_larger_initial_footprint_at_back_within_level():
     pol = WindowedMLFQ()
     now = 1.0
     running = [
         call("a", 600, arrival=0.1, last_served=now, blocks=20, running=True),
-        call("b", 700, arrival=0.2, last_served=now, blocks=50, running=True),
-        call("c", 800, arrival=0.3, last_served=now, blocks=30, running=True),
-        call("d", 900, arrival=0.4, last_served=now, blocks=30, running=True),
+        call("b", 900, arrival=0.2, last_served=now, blocks=30, running=True),
+        call("c", 700, arrival=0.3, last_served=now, blocks=50, running=True),
+        call("d", 700, arrival=0.4, last_served=now, blocks=22, running=True),
         # lower priority (bigger prompt) but small footprint: still evicted first
         call("low", 40_000, arrival=0.0, last_served=now, blocks=5, running=True),
     ]
     order = [c.request_id for c in sorted(running, key=lambda c: pol.key(c, now))]
+    # preemption takes from the back: lowest level first, then the larger prompt, then the
+    # newer call; how far a call has grown since (c has decoded most) does not move it back,
+    # which would evict the calls closest to completion
     assert order == ["a", "c", "d", "b", "low"]
-    # preemption takes from the back: lowest level first, then the larger footprint
-    assert order[-1] == "low" and order[-2] == "b"
+
+
+def test_served_is_on_scheduled_then_key():
+    fused, split = WindowedMLFQ(), WindowedMLFQ()
+    for t, (prompt, tokens) in enumerate([(500, 300), (500, 900), (3000, 2000), (500, 5000)]):
+        now = 10.0 + t * 3
+        c = call(f"r{t % 2}", prompt, arrival=0.0, last_served=now, blocks=7, running=True)
+        split.on_scheduled(c, tokens, now)
+        assert fused.served(c, tokens, now) == split.key(c, now)
+        assert fused.level_of(c.request_id) == split.level_of(c.request_id)
+    c = call("idle", 500, arrival=0.0, last_served=0.0)
+    assert fused.served(c, 0, 20.0) == split.key(c, 20.0)  # nothing served: plain key
 
 
 def test_session_continuity_round_judged_by_own_size():
@@ -242,7 +255,30 @@ def test_key_is_idempotent_and_state_dropped_on_finish():
     pol = WindowedMLFQ()
     c = call("r", 3000, blocks=7)
     pol.on_scheduled(c, 100, now=1.0)
-    assert pol.key(c, 2.0) == pol.key(c, 2.0) == (2, 0, 7, 0.0)
+    assert pol.key(c, 2.0) == pol.key(c, 2.0) == (2, 0, 3000, 0.0)
     pol.on_finished("r", None, now=3.0)
     assert pol.windowed_service("r", 3.0) == 0
     assert pol.level_of("r") is None
+
+
+def test_horizon_is_a_promise_the_key_keeps():
+    """Within the returned token and time horizon no amount of service moves the key; once
+    the token horizon is used up, it may."""
+    pol = WindowedMLFQ(MLFQConfig(promote_after_s=4.0))
+    now = 100.0
+    c = call("r", 600, arrival=now, last_served=now, blocks=3, running=True)
+    k0 = pol.served(c, 100, now)
+    tokens, until = pol.horizon(c, now)
+    assert tokens == 1024 - 100 and now < until <= now + pol.config.window_s / 16
+    t = now
+    served = 0
+    while served + 50 < tokens:
+        t += 0.01
+        served += 50
+        assert pol.served(c, 50, t) == k0
+    assert pol.served(c, tokens - served, t) != k0  # crossed the quota: demoted
+    # an unserved waiting call: its horizon ends at the next promotion
+    w = call("w", 5000, arrival=0.0, last_served=0.0)
+    pol.key(w, 1.0)
+    assert pol.horizon(w, 1.0)[1] <= 4.0
+    assert pol.key(w, 4.0) != pol.key(w, 1.0)

@@ -36,6 +36,9 @@ class PolicySpec:
     pin: bool
     #: the sidecar's external admission controller gates new sessions (§4.2)
     sidecar_admission: bool
+    #: growth room (tokens per running call) kept free when admitting; 0 = vLLM's rule
+    #: (:mod:`mars.policy.headroom`; part of the co-scheduler, like chunk shrinking)
+    admit_headroom_tokens: int = 0
 
     def build(self) -> tuple[OrderingPolicy, RetentionPolicy]:
         return self.ordering(), self.retention()
@@ -47,11 +50,14 @@ _SPECS: dict[str, PolicySpec] = {
         PolicySpec("fcfs", FcfsOrdering, NoRetention,
                    chunk_shrink=False, pin=False, sidecar_admission=False),
         PolicySpec("mars", WindowedMLFQ, CostBenefitRetention,
-                   chunk_shrink=True, pin=True, sidecar_admission=True),
+                   chunk_shrink=True, pin=True, sidecar_admission=True,
+                   admit_headroom_tokens=8),
         PolicySpec("mars_no_coord", FcfsOrdering, CostBenefitRetention,
-                   chunk_shrink=True, pin=True, sidecar_admission=True),
+                   chunk_shrink=True, pin=True, sidecar_admission=True,
+                   admit_headroom_tokens=8),
         PolicySpec("mars_no_ctrl", WindowedMLFQ, CostBenefitRetention,
-                   chunk_shrink=True, pin=True, sidecar_admission=False),
+                   chunk_shrink=True, pin=True, sidecar_admission=False,
+                   admit_headroom_tokens=8),
         PolicySpec("mars_no_cosched", WindowedMLFQ, NoRetention,
                    chunk_shrink=False, pin=False, sidecar_admission=True),
         PolicySpec("autellix", AutellixPLAS, NoRetention,

@@ -61,8 +61,9 @@ def add_mars_args(parser: argparse.ArgumentParser) -> None:
                         "off otherwise unless set here (\"admission\": \"on\")")
     g.add_argument("--mars-config", type=json.loads, default=None, metavar="JSON",
                    help='policy parameter overrides, e.g. \'{"ordering": {"promote_after_s": 1},'
-                        ' "retention": {"max_tau_s": 30}, "tick_s": 0.05}\' (fields of the '
-                        "policy's config dataclass; see docs/policies.md)")
+                        ' "retention": {"max_tau_s": 30}, "tick_s": 0.05,'
+                        ' "admit_headroom_tokens": 8}\' (fields of the policy\'s config '
+                        "dataclass; see docs/policies.md)")
 
 
 def given(argv: list[str], flag: str) -> bool:
@@ -131,8 +132,8 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         "snapshot_interval_s": args.mars_snapshot_interval,
         "policy_config": {k: v for k, v in (args.mars_config or {}).items()
                           if k in ("ordering", "retention")},
-        **({"tick_s": float(args.mars_config["tick_s"])}
-           if args.mars_config and "tick_s" in args.mars_config else {}),
+        **{k: v for k, v in (args.mars_config or {}).items()
+           if k in ("tick_s", "admit_headroom_tokens")},
     }
     args.additional_config = extra
     args.mars_events_endpoint = endpoint
@@ -146,10 +147,14 @@ def _check_mars_config(policy: str, overrides: dict | None) -> None:
 
     if not isinstance(overrides, dict):
         raise SystemExit("mars-vllm: --mars-config must be a JSON object")
-    unknown = set(overrides) - {"ordering", "retention", "tick_s"}
+    unknown = set(overrides) - {"ordering", "retention", "tick_s", "admit_headroom_tokens"}
     if unknown:
         raise SystemExit(f"mars-vllm: --mars-config: unknown keys {sorted(unknown)} "
-                         "(valid: ordering, retention, tick_s)")
+                         "(valid: ordering, retention, tick_s, admit_headroom_tokens)")
+    for k in ("tick_s", "admit_headroom_tokens"):
+        v = overrides.get(k)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+            raise SystemExit(f"mars-vllm: --mars-config {k}: must be a number >= 0, got {v!r}")
     ordering, retention = get_policy(policy).build()
     for name, pol in (("ordering", ordering), ("retention", retention)):
         try:
