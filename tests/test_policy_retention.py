@@ -254,3 +254,14 @@ def test_tau_bounded_by_max_tau():
     assert pol.admit(cand(), kv(free=9_900), now=0.0) == 0.0
     pol = _policy_with({"t": [45.0] * 20}, max_tau_s=60.0)
     assert pol.admit(cand(), kv(free=9_900), now=0.0) == 60.0
+
+
+def test_sorted_samples_follow_the_bounded_window():
+    import random
+
+    m = ToolDurationModel(max_samples=5, min_samples=1)
+    rng = random.Random(3)
+    for _ in range(200):
+        m.observe(rng.choice(["a", "b"]), rng.random() * 10)
+        for key, dq in m._samples.items():
+            assert m._sorted_samples(key) == sorted(dq)

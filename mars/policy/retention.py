@@ -40,7 +40,7 @@ finished and its blocks are not yet released, and while pinned they are pinned.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -68,21 +68,31 @@ class ToolDurationModel:
         self.min_samples = min_samples
         self.prior_mean_s = prior_mean_s
         self._samples: dict[str, deque[float]] = {ALL_TOOLS: deque(maxlen=4 * max_samples)}
-        self._sorted: dict[str, list[float]] = {}
+        #: the same samples kept sorted (updated in place: a round ends on every few engine
+        #: steps under load, and re-sorting on each query showed in the step time)
+        self._sorted: dict[str, list[float]] = {ALL_TOOLS: []}
 
     # ------------------------------------------------------------------ feeding
     def observe(self, tool: str | None, duration_s: float) -> None:
         if duration_s is None or not math.isfinite(duration_s) or duration_s < 0:
             return
+        d = float(duration_s)
         key = tool or None
         if key is not None and key != ALL_TOOLS:
             dq = self._samples.get(key)
             if dq is None:
                 dq = self._samples[key] = deque(maxlen=self.max_samples)
-            dq.append(float(duration_s))
-            self._sorted.pop(key, None)
-        self._samples[ALL_TOOLS].append(float(duration_s))
-        self._sorted.pop(ALL_TOOLS, None)
+                self._sorted[key] = []
+            self._add(dq, self._sorted[key], d)
+        self._add(self._samples[ALL_TOOLS], self._sorted[ALL_TOOLS], d)
+
+    @staticmethod
+    def _add(dq: deque[float], srt: list[float], d: float) -> None:
+        if dq.maxlen is not None and len(dq) == dq.maxlen:
+            old = dq[0]
+            del srt[bisect_left(srt, old)]
+        dq.append(d)
+        insort(srt, d)
 
     # ------------------------------------------------------------------ queries
     def count(self, tool: str | None = None) -> int:
@@ -140,10 +150,7 @@ class ToolDurationModel:
         return sum(dq) / len(dq)
 
     def _sorted_samples(self, key: str) -> list[float]:
-        s = self._sorted.get(key)
-        if s is None:
-            s = self._sorted[key] = sorted(self._samples[key])
-        return s
+        return self._sorted[key]
 
 
 class PrefillRate:
@@ -279,9 +286,13 @@ class CostBenefitRetention:
         else:
             cands = [t for t in self._grid if t < horizon]
             cands.append(horizon)
+        # net_gain(tau) for every candidate, with what does not depend on tau computed once
+        recompute = self.prefill.recompute_s(cand.context_tokens)
+        hold = cand.blocks * self.price(kv)
+        within = self.durations.prob_returns_within
         best_tau, best_net = 0.0, 0.0
         for tau in cands:
-            net = self.net_gain(cand, kv, tau, elapsed)
+            net = within(cand.tool, elapsed, tau) * recompute - hold * tau
             if net > best_net:
                 best_tau, best_net = tau, net
         return best_tau, best_net

@@ -180,6 +180,9 @@ class _MarsSchedulerMixin:
         # per-session state: when the last round ended and which tool followed (bounded)
         self._mars_round_end: OrderedDict[str, tuple[float, str | None]] = OrderedDict()
         self._mars_next_tick = 0.0
+        self._mars_roomy = True
+        self._mars_budget_blocks = -(-self.max_num_scheduled_tokens // self.block_size) + 1
+        self._mars_blocks_per_running = 2 + -(-self.num_lookahead_tokens // self.block_size)
         self._mars_next_snapshot = 0.0
         self._mars_sorted_tail: Request | None = None
         self._mars_waiting_dirty = True
@@ -360,6 +363,12 @@ class _MarsSchedulerMixin:
             self._mars_tick(now)
         if self._mars_order_on:
             self._mars_sort()
+        # whether this step's allocations cannot run out of blocks whatever they are (every
+        # running call takes at most a couple of blocks, plus the whole token budget as
+        # prefill): then no decode can need a pin reclaimed, and decodes skip the hook
+        self._mars_roomy = not self._mars_pins.pinned_blocks or (
+            self._mars_pool.get_num_free_blocks()
+            >= self._mars_blocks_per_running * len(self.running) + self._mars_budget_blocks)
         self.mars_counters["steps"] += 1
         out = super().schedule(*args, **kwargs)
         if now >= self._mars_next_snapshot:
@@ -417,7 +426,7 @@ class _MarsSchedulerMixin:
         n = stock(request, num_computed_tokens, num_new_tokens) if stock is not None \
             else max(num_new_tokens, 0)
         prefill = num_computed_tokens < request.num_prompt_tokens
-        if not prefill and not self._mars_pins.pinned_blocks:
+        if not prefill and self._mars_roomy:
             return n  # decodes: nothing to yield or shrink, no pin to reclaim (hot path)
         if n <= 0:
             return n
