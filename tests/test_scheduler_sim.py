@@ -115,31 +115,34 @@ def test_fewer_preemptions_than_fcfs_under_fragmentation(tmp_path):
     assert mars.sched.mars_counters["preempted"] < fcfs.sched.mars_counters["preempted"]
 
 
-def test_agent_workload_preempts_less_than_fcfs_for_the_same_work():
+def test_agent_workload_preempts_less_than_fcfs_for_the_same_work(tmp_path):
     """Multi-round agent jobs (each round extends the previous context) on pools too small for
     them, over several pool sizes, token budgets and batch sizes: same steps for both policies,
-    mars preempts clearly less, shrinks chunks somewhere, and finishes as much work."""
-    totals = {"fcfs": [0, 0, 0], "mars": [0, 0, 0]}
+    mars preempts clearly less, shrinks chunks (the event stream shows both, with session
+    ids), and finishes as much work."""
+    totals = {p: {"preempt": 0, "chunk_shrink": 0, "finished": 0} for p in ("fcfs", "mars")}
     for running, blocks in ((16, 120), (16, 300), (32, 240), (32, 600)):
         for budget in (256, 1024):
-            for policy in totals:
+            for policy, t in totals.items():
+                events = tmp_path / f"{policy}-{running}-{blocks}-{budget}.jsonl"
                 d = schedbench.Driver(policy, running, schedbench.Workload(),
-                                      num_blocks=blocks, max_num_batched_tokens=budget)
+                                      num_blocks=blocks, max_num_batched_tokens=budget,
+                                      events_file=str(events))
                 try:
                     for _ in range(1000):
                         d.step(record=False)
-                    c = d.sched.mars_counters
-                    t = totals[policy]
-                    t[0] += c["preempted"]
-                    t[1] += c["shrunk"]
-                    t[2] += d.finished
-                    assert d.sched.kv_cache_manager.block_pool.get_num_free_blocks() >= 0
+                    t["finished"] += d.finished
                 finally:
-                    d.close()
-    (fp, _, ff), (mp, ms, mf) = totals["fcfs"], totals["mars"]
-    assert mp < 0.75 * fp, totals
-    assert ms > 0, totals
-    assert mf >= 0.97 * ff, totals
+                    d.close()  # flushes the event file
+                for line in events.read_text().splitlines():
+                    ev = json.loads(line)
+                    if ev["kind"] in ("preempt", "chunk_shrink"):
+                        assert ev["session_id"], ev
+                        t[ev["kind"]] += 1
+    fcfs, mars = totals["fcfs"], totals["mars"]
+    assert mars["preempt"] < 0.75 * fcfs["preempt"], totals
+    assert mars["chunk_shrink"] > 0 and fcfs["chunk_shrink"] == 0, totals
+    assert mars["finished"] >= 0.97 * fcfs["finished"], totals
 
 
 def test_pins_go_before_any_preemption_and_nothing_leaks(tmp_path):

@@ -183,7 +183,8 @@ class Driver:
 
     def __init__(self, config: str, running: int, workload: Workload, *, model_config=None,
                  max_num_batched_tokens: int = 2048, num_blocks: int | None = None,
-                 log_stats: bool = True, tick_s: float | None = None) -> None:
+                 log_stats: bool = True, tick_s: float | None = None,
+                 events_file: str | None = None) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
         from vllm.sampling_params import SamplingParams
@@ -197,6 +198,8 @@ class Driver:
         self.vllm_config = build_vllm_config(
             config, running, model_config=model_config,
             max_num_batched_tokens=max_num_batched_tokens, tick_s=tick_s)
+        if events_file and "mars" in self.vllm_config.additional_config:
+            self.vllm_config.additional_config["mars"]["events_file"] = events_file
         self.sched, hbs = build_scheduler(config, self.vllm_config, num_blocks,
                                           log_stats=log_stats)
         self._hasher = _block_hasher(self.vllm_config, hbs)
