@@ -12,8 +12,10 @@ maths, tables, plots, errors, ``--resume``) needs no server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -265,10 +267,13 @@ def test_resume_reuses_finished_points_without_a_server(smoke, tmp_path):
 
 
 @pytest.mark.engine
-def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path):
+@pytest.mark.parametrize("delay_s", [3.0, 0.0], ids=["mid-run", "at-start"])
+def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path, delay_s):
     """SIGINT mid-replay: the replay stops and writes its partial results, the server is
     stopped, the tables are written, exit 130. Tools are not compressed here (time-scale 1),
-    so the tasks are still running when the signal comes."""
+    so the tasks are still running when the signal comes. ``at-start``: the signal lands while
+    the replay process is still starting (server probe, tool workers spawning), which once left
+    it hanging with a half-started tool pool."""
     pytest.importorskip("vllm")
     out = tmp_path / "b"
     args = ["ILR-1", "--policies", "fcfs", "--rates", "0.05", "--num-tasks", "3", "--scale",
@@ -295,6 +300,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+        for pid in _server_pids_under(out):  # never leave a server to load later tests
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
     se = "".join(lines) + se
     assert proc.returncode == 130, se[-3000:]
     assert time.monotonic() - t0 < 60

@@ -756,6 +756,10 @@ class Bench:
                 with self.lock:
                     self.children[proc.pid] = proc
                     self.active[p.key] = (p, log, t0)
+                    late = self.stop.is_set()
+                if late:  # Ctrl-C came between the check above and the child's start
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGINT)
                 try:
                     p.returncode = proc.wait()
                 finally:

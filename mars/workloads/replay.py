@@ -181,11 +181,11 @@ class ReplaySession:
                                       t.num_rounds) for t in trace.tasks])
         st.bar = _progress(cfg.progress, len(trace), label or mode)
         try:
-            if mode == "load":
+            if mode == "load" and not self.stopping:  # (stopped before it began: nothing runs)
                 self._active = [asyncio.create_task(self._task(st, t, r, wait=True))
                                 for t, r in zip(trace.tasks, st.results)]
                 await asyncio.gather(*self._active, return_exceptions=True)
-            else:
+            elif mode != "load":
                 for t, r in zip(trace.tasks, st.results):
                     if self.stopping:
                         break

@@ -13,6 +13,7 @@ import asyncio
 import datetime as _dt
 import json
 import signal
+import threading
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,48 @@ def build_trace(args: argparse.Namespace) -> Trace:
 # --------------------------------------------------------------------------------- replay
 
 
+class _EarlyInterrupt:
+    """Holds a Ctrl-C that lands while the session is still starting (server probe, tool
+    workers spawning), so that it stops the replay the same graceful way as a later one --
+    partial results written, exit 130 -- instead of interrupting start-up half-way."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._old = None
+
+    def __enter__(self) -> "_EarlyInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:  # noqa: ARG002
+        if self.pending:  # a second Ctrl-C: give up now
+            raise KeyboardInterrupt
+        self.pending = True
+        print("\nmars replay: interrupted while starting; stopping once started",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
+    early = _EarlyInterrupt().__enter__()
+    try:
+        return _cmd_replay(args, early)
+    finally:
+        early.__exit__()
+
+
+def _cmd_replay(args: argparse.Namespace, early: _EarlyInterrupt) -> int:
     try:
         trace = build_trace(args)
     except (TraceError, ValueError) as e:
         print(f"mars replay: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return asyncio.run(_replay_main(args, trace))
+        return asyncio.run(_replay_main(args, trace, early))
     except ReplayError as e:
         print(f"mars replay: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -119,7 +154,8 @@ def _out_dir(args: argparse.Namespace, trace: Trace) -> Path:
     return Path("runs") / f"{name}-{stamp}"
 
 
-async def _replay_main(args: argparse.Namespace, trace: Trace) -> int:
+async def _replay_main(args: argparse.Namespace, trace: Trace,
+                       early: _EarlyInterrupt | None = None) -> int:
     from .replay import ReplayConfig, ReplaySession
 
     out = _out_dir(args, trace)
@@ -147,6 +183,8 @@ async def _replay_main(args: argparse.Namespace, trace: Trace) -> int:
             session.stop()
 
         loop.add_signal_handler(signal.SIGINT, on_sigint)
+        if early is not None and early.pending:
+            on_sigint()  # Ctrl-C came during start-up: stop before the first task
         assert session.server is not None
         srv = session.server
         print(f"mars replay: {trace.header.regime}, {len(trace)} tasks, "

@@ -24,12 +24,14 @@ them cooperatively through a shared event and terminates any that do not stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,19 @@ def format_cores(cores: list[int]) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while processes are spawned (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _worker_init(cores: list[int] | None, stop_event: Any) -> None:
@@ -165,8 +180,12 @@ class ToolPool:
         self._pool = ProcessPoolExecutor(
             max_workers=self.workers, mp_context=self._ctx, initializer=_worker_init,
             initargs=(self.cores, self._stop))
-        # Start every worker now (spawn takes ~0.1-0.5 s each), not on the first tool.
-        futs = [self._pool.submit(burn, 0.0, "wall") for _ in range(self.workers)]
+        # Start every worker now (spawn takes ~0.1-0.5 s each), not on the first tool. The
+        # workers are spawned with SIGINT ignored: an ignored signal stays ignored across exec
+        # and Python then keeps it so, whereas a Ctrl-C landing before _worker_init ran used to
+        # kill a half-started worker and leave this wait hanging (seen under load).
+        with _sigint_ignored():
+            futs = [self._pool.submit(burn, 0.0, "wall") for _ in range(self.workers)]
         for f in futs:
             f.result(timeout=120)
         return self
