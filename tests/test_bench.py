@@ -35,9 +35,16 @@ SMOKE = ["ILR-1", "--rates", "1", "--num-tasks", "2", "--scale", "200", "--time-
          "--server-args=" + " ".join(BASE_ARGS)]
 
 
+def _default_sigint() -> None:
+    # A suite started in the background (``nohup make test &``) runs with SIGINT ignored, and
+    # an ignored signal is inherited: the bench would then rightly ignore the test's Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _bench(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "mars.cli", "bench", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint, **kw)
 
 
 def _mars(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
