@@ -58,7 +58,7 @@ keeps the order stable, so a preempted call is not re-admitted only to be the ne
 Incremental refresh: :meth:`WindowedMLFQ.horizon` tells the adapter how much more service and
 how long a call's key cannot change, so a running call is re-keyed only when it may have
 crossed a quota, a bucket expired or a promotion period passed (:meth:`served` charges the
-service accumulated meanwhile in one call).
+service accumulated meanwhile).
 
 Session continuity: all state is per request id. A later round of a session is a new call,
 judged by its own prompt and its own service, never by what earlier rounds consumed (contrast
@@ -206,15 +206,10 @@ class WindowedMLFQ:
         return self.key(call, now)[0]
 
     def key(self, call: CallView, now: float) -> tuple:
-        # Hot path (every waiting and running call, every step): locals only, no allocation
-        # beyond the returned tuple, one dict probe for calls never served.
-        base = self._base
-        p = call.prompt_tokens - call.cached_tokens if self._discount_cached \
-            else call.prompt_tokens
-        lvl = ((p - 1) // base).bit_length() if p > base else 0
+        # Called per call whenever its horizon runs out (and at arrival): locals only, no
+        # allocation beyond the returned tuple, one dict probe for calls never served.
+        lvl = self._base_of(call)
         L1 = self._L1
-        if lvl > L1:
-            lvl = L1
         rid = call.request_id
         svc = self._service.get(rid)
         if svc is not None:
@@ -248,44 +243,10 @@ class WindowedMLFQ:
         svc.add(int(now // self._bucket_w), tokens)
 
     def served(self, call: CallView, tokens: int, now: float) -> tuple:
-        """``on_scheduled`` then ``key`` for a call that was just served, in one call.
-
-        The adapter refreshes every running call this way on each tick, so this is the
-        policy's hottest path: fused, no promotion arithmetic (a call served ``now`` has
-        waited 0 s), the window bounds computed once per ``now``. Same result as the two
-        calls it replaces (tests check that).
-        """
-        if tokens <= 0:
-            return self.key(call, now)
-        rid = call.request_id
-        svc = self._service.get(rid)
-        if svc is None:
-            svc = self._service[rid] = _WindowedService()
-        if now != self._cached_now:
-            self._cached_now = now
-            self._cached_oldest = self._oldest_live_bucket(now)
-        bucket = int(now // self._bucket_w)
-        b = svc.buckets
-        if b and b[-1][0] >= bucket:
-            b[-1][1] += tokens
-        else:
-            b.append([bucket, tokens])
-        s = svc.total = svc.total + tokens
-        if b[0][0] < self._cached_oldest:
-            s = svc.expire(self._cached_oldest)
-        base = self._base
-        p = call.prompt_tokens - call.cached_tokens if self._discount_cached \
-            else call.prompt_tokens
-        lvl = ((p - 1) // base).bit_length() if p > base else 0
-        L1 = self._L1
-        if lvl > L1:
-            lvl = L1
-        if s:
-            lvl += bisect_right(self._thresholds[lvl], s)
-            if lvl > L1:
-                lvl = L1
-        self._levels[rid] = lvl
-        return (lvl, 0, call.prompt_tokens, call.arrival_time)
+        """``on_scheduled`` then ``key``, for a call that was just served: the adapter charges
+        the service it deferred within the call's :meth:`horizon` this way, in one call."""
+        self.on_scheduled(call, tokens, now)
+        return self.key(call, now)
 
     def horizon(self, call: CallView, now: float) -> tuple[float, float]:
         """How much more service (tokens) and until when (s) the call's key cannot change.
@@ -299,13 +260,7 @@ class WindowedMLFQ:
         """
         svc = self._service.get(call.request_id)
         s = svc.total if svc is not None else 0
-        base = self._base
-        p = call.prompt_tokens - call.cached_tokens if self._discount_cached \
-            else call.prompt_tokens
-        lvl = ((p - 1) // base).bit_length() if p > base else 0
-        if lvl > self._L1:
-            lvl = self._L1
-        row = self._thresholds[lvl]
+        row = self._thresholds[self._base_of(call)]
         k = bisect_right(row, s)
         tokens = row[k] - s if k < len(row) else math.inf
         until = now + self._bucket_w
@@ -322,6 +277,10 @@ class WindowedMLFQ:
         self._levels.pop(request_id, None)
 
     # ------------------------------------------------------------------ internals
+    def _base_of(self, call: CallView) -> int:
+        return self.base_level(call.prompt_tokens - call.cached_tokens
+                               if self._discount_cached else call.prompt_tokens)
+
     def _oldest_live_bucket(self, now: float) -> int:
         # bucket k covers [k*w, (k+1)*w) and is live iff (k+1)*w > now - window_s,
         # i.e. k >= floor((now - window_s) / w)

@@ -269,9 +269,13 @@ class CostBenefitRetention:
     def net_gain(self, cand: PinCandidate, kv: KvPressure, tau: float,
                  elapsed: float = 0.0) -> float:
         """Expected benefit minus cost of holding ``cand`` for ``tau`` more seconds."""
+        return self._net(cand, tau, elapsed, self.prefill.recompute_s(cand.context_tokens),
+                         cand.blocks * self.price(kv))
+
+    def _net(self, cand: PinCandidate, tau: float, elapsed: float, recompute_s: float,
+             hold_per_s: float) -> float:
         p = self.durations.prob_returns_within(cand.tool, elapsed, tau)
-        benefit = p * self.prefill.recompute_s(cand.context_tokens)
-        return benefit - cand.blocks * tau * self.price(kv)
+        return p * recompute_s - hold_per_s * tau
 
     def best_tau(self, cand: PinCandidate, kv: KvPressure, elapsed: float = 0.0,
                  horizon: float | None = None) -> tuple[float, float]:
@@ -289,10 +293,9 @@ class CostBenefitRetention:
         # net_gain(tau) for every candidate, with what does not depend on tau computed once
         recompute = self.prefill.recompute_s(cand.context_tokens)
         hold = cand.blocks * self.price(kv)
-        within = self.durations.prob_returns_within
         best_tau, best_net = 0.0, 0.0
         for tau in cands:
-            net = within(cand.tool, elapsed, tau) * recompute - hold * tau
+            net = self._net(cand, tau, elapsed, recompute, hold)
             if net > best_net:
                 best_tau, best_net = tau, net
         return best_tau, best_net

@@ -68,7 +68,7 @@ def mars_settings(vllm_config) -> dict[str, Any]:
     return {}
 
 
-def _NO_HORIZON(call, now: float) -> tuple[float, float]:
+def _no_horizon(call, now: float) -> tuple[float, float]:
     return 0, 0.0
 
 
@@ -166,7 +166,7 @@ class _MarsSchedulerMixin:
         # charge service and re-key in one policy call where the policy offers it
         self._mars_served = getattr(self.mars_ordering, "served", None) or self._mars_charge_key
         # how long a key stays valid; without the policy's word, re-key on every tick
-        self._mars_horizon = getattr(self.mars_ordering, "horizon", None) or _NO_HORIZON
+        self._mars_horizon = getattr(self.mars_ordering, "horizon", None) or _no_horizon
         # vLLM's own lookahead rule, bound once (a super() lookup per request per step shows);
         # None when it is the identity: its only effect is for multi-token-prediction drafters
         # (num_prefill_lookahead > 1), see Scheduler._reserve_prefill_lookahead

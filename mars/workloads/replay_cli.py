@@ -120,11 +120,8 @@ class _EarlyInterrupt:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    early = _EarlyInterrupt().__enter__()
-    try:
+    with _EarlyInterrupt() as early:
         return _cmd_replay(args, early)
-    finally:
-        early.__exit__()
 
 
 def _cmd_replay(args: argparse.Namespace, early: _EarlyInterrupt) -> int:
