@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mars.policy.base import CallView, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
+from mars.policy.base import CallRecord, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
 from mars.policy.baselines import (
     AutellixPLAS,
     ContinuumConfig,
@@ -18,7 +18,7 @@ from mars.policy.baselines import (
 
 
 def call(rid: str, session: str | None, *, arrival: float = 0.0, prompt: int = 1000) -> CallView:
-    return CallView(request_id=rid, session_id=session, prompt_tokens=prompt, computed_tokens=0,
+    return CallRecord(request_id=rid, session_id=session, prompt_tokens=prompt, computed_tokens=0,
                     cached_tokens=0, output_tokens=0, max_tokens=64, arrival_time=arrival,
                     last_served=arrival, num_blocks=0, running=False)
 

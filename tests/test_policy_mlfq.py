@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from mars.policy.base import CallView, OrderingPolicy
+from mars.policy.base import CallRecord, OrderingPolicy
 from mars.policy.mlfq import MLFQConfig, WindowedMLFQ
 
 
 def call(rid: str, prompt: int, *, arrival: float = 0.0, last_served: float | None = None,
          blocks: int = 0, session: str | None = None, cached: int = 0,
          running: bool = False) -> CallView:
-    return CallView(
+    return CallRecord(
         request_id=rid, session_id=session, prompt_tokens=prompt, computed_tokens=0,
         cached_tokens=cached, output_tokens=0, max_tokens=64, arrival_time=arrival,
         last_served=arrival if last_served is None else last_served, num_blocks=blocks,
@@ -165,7 +165,7 @@ def test_session_continuity_round_judged_by_own_size():
 def test_cached_tokens_are_not_service():
     pol = WindowedMLFQ(MLFQConfig(promote_after_s=0))
     # 40K of a 41K prompt hit the prefix cache: the engine schedules (and we charge) 1K
-    c = CallView("r", "s", 41_000, 41_000, 40_000, 0, 64, 0.0, 0.0, 1282, True)
+    c = CallRecord("r", "s", 41_000, 41_000, 40_000, 0, 64, 0.0, 0.0, 1282, True)
     pol.on_scheduled(c, 1_000, now=0.0)
     assert pol.windowed_service("r", 0.0) == 1_000
     assert pol.level(c, 0.0) == pol.base_level(41_000)
@@ -196,7 +196,7 @@ def _simulate_flood(cfg: MLFQConfig, *, duration_s: float = 40.0, dt: float = 0.
             live[f"s{seq}"] = dict(prompt=196, out=4, done=0, arrival=now, last=now)
             seq += 1
         views = {
-            rid: CallView(rid, rid, st["prompt"], st["done"], 0, max(0, st["done"] - st["prompt"]),
+            rid: CallRecord(rid, rid, st["prompt"], st["done"], 0, max(0, st["done"] - st["prompt"]),
                           st["out"], st["arrival"], st["last"], (st["done"] + 31) // 32,
                           st["done"] > 0)
             for rid, st in live.items()}

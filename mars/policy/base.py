@@ -1,84 +1,40 @@
 """Contracts between the framework-free policies and the thin adapters that drive them.
 
-The vLLM scheduler adapter (``mars.vllm_patches``) never decides anything itself: every step
-it describes the calls it holds as :class:`CallView` records, asks an :class:`OrderingPolicy`
-for an order, and asks a :class:`RetentionPolicy` whether a finished round's KV blocks stay
-pinned while its agent runs a tool. Policies see plain numbers, so they are unit-testable on
-hand-made inputs and the same classes serve MARS and every baseline.
+The vLLM scheduler adapter (``mars.vllm_patches``) never decides anything itself: it keeps one
+record per call that *is* a :class:`CallView`, asks an :class:`OrderingPolicy` for an order,
+and asks a :class:`RetentionPolicy` whether a finished round's KV blocks stay pinned while its
+agent runs a tool. Policies see plain numbers, so they are unit-testable on hand-made inputs
+(:class:`CallRecord`) and the same classes serve MARS and every baseline.
+
+The two policy contracts are abstract base classes in the style of vLLM's ``RequestQueue``:
+every method the adapter may call is declared here with a one-line docstring, and where a
+policy may not care the default is a no-op. The adapter calls these methods directly; it
+never probes a policy object for optional methods.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+
+from mars.policy.session import SessionMeta  # noqa: F401  (re-exported)
 
 
-@dataclass(slots=True)
-class SessionMeta:
-    """Per-call session metadata, as carried in ``vllm_xargs`` (``SamplingParams.extra_args``).
+class CallView:
+    """What a policy may read about one LLM call the engine holds (waiting or running).
 
-    ``job_id`` identifies the agent session across rounds; the engine-side request id must
-    never be used for that (vLLM appends a random suffix to it).
+    Abstract: the engine adapter's per-request record implements it (static fields set once,
+    moving ones read through from vLLM's request), :class:`CallRecord` is a plain one for
+    tests and tools. Declared attributes, all read-only for policies:
     """
 
-    job_id: str | None = None
-    round: int | None = None
-    last_round: bool = False
-    #: tool the agent is expected to run after this round (the replay harness knows it)
-    next_tool: str | None = None
-    #: tool that ran just before this round (what the OpenHands integration knows)
-    prev_tool: str | None = None
-
-    KEYS = ("job_id", "round", "last_round", "next_tool", "prev_tool")
-
-    @classmethod
-    def from_extra_args(cls, extra: dict | None, fallback_session: str | None = None) -> "SessionMeta":
-        """Parse leniently: metadata is advisory, a bad field must not fail the request."""
-        extra = extra or {}
-        job = extra.get("job_id") or fallback_session
-        rnd = extra.get("round")
-        try:
-            rnd = int(rnd) if rnd is not None else None
-        except (TypeError, ValueError):
-            rnd = None
-        last = extra.get("last_round", False)
-        if isinstance(last, str):
-            last = last.strip().lower() in ("1", "true", "yes")
-        return cls(
-            job_id=str(job) if job is not None else None,
-            round=rnd,
-            last_round=bool(last),
-            next_tool=_opt_str(extra.get("next_tool")),
-            prev_tool=_opt_str(extra.get("prev_tool")),
-        )
-
-    def to_extra_args(self) -> dict:
-        out: dict = {}
-        if self.job_id is not None:
-            out["job_id"] = self.job_id
-        if self.round is not None:
-            out["round"] = self.round
-        if self.last_round:
-            out["last_round"] = True
-        if self.next_tool:
-            out["next_tool"] = self.next_tool
-        if self.prev_tool:
-            out["prev_tool"] = self.prev_tool
-        return out
-
-
-def _opt_str(v) -> str | None:
-    return str(v) if v not in (None, "") else None
-
-
-@dataclass(slots=True)
-class CallView:
-    """What a policy may know about one LLM call the engine holds (waiting or running)."""
+    __slots__ = ()
 
     request_id: str
     session_id: str | None
+    #: prompt length (tokens) at arrival
     prompt_tokens: int
-    #: tokens whose KV is computed (prefill progress + decoded tokens): the service received
+    #: tokens whose KV is computed (prefill progress + decoded tokens)
     computed_tokens: int
     #: tokens that hit the prefix cache at admission (not service this call paid for)
     cached_tokens: int
@@ -89,25 +45,66 @@ class CallView:
     last_served: float
     num_blocks: int
     running: bool
+    round: int | None
+
+
+@dataclass(slots=True)
+class CallRecord(CallView):
+    """A plain :class:`CallView` (tests, offline tools)."""
+
+    request_id: str
+    session_id: str | None
+    prompt_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    max_tokens: int
+    arrival_time: float
+    last_served: float
+    num_blocks: int
+    running: bool
     round: int | None = None
 
 
-@runtime_checkable
-class OrderingPolicy(Protocol):
+class OrderingPolicy(ABC):
     """Orders calls; the adapter serves the order front to back and preempts from the back.
 
-    ``key`` is called once per call per step, so it must be O(1); per-call state lives in the
-    policy and is updated by ``on_scheduled`` (service given this step) and dropped by
-    ``on_finished``.
+    ``key`` may be called for every call on a tick, so it must be O(1); per-call state lives
+    in the policy, is charged by ``on_scheduled`` / ``served`` and dropped by ``on_finished``.
     """
 
-    name: str
+    name: str = "ordering"
+    #: False for arrival order (vLLM's own): the adapter then leaves its queues alone
+    reorders: bool = True
 
-    def key(self, call: CallView, now: float) -> tuple: ...
+    @abstractmethod
+    def key(self, call: CallView, now: float) -> tuple:
+        """Sort key (ascending: front is served first, back is preempted first)."""
 
-    def on_scheduled(self, call: CallView, tokens: int, now: float) -> None: ...
+    def on_scheduled(self, call: CallView, tokens: int, now: float) -> None:
+        """``tokens`` were computed for ``call`` (service, excluding prefix-cache hits)."""
 
-    def on_finished(self, request_id: str, session_id: str | None, now: float) -> None: ...
+    def served(self, call: CallView, tokens: int, now: float) -> tuple:
+        """Charge ``tokens`` of service and return the new key (one call on the hot path)."""
+        self.on_scheduled(call, tokens, now)
+        return self.key(call, now)
+
+    def horizon(self, call: CallView, now: float) -> tuple[float, float]:
+        """(tokens, until): the key cannot change before that much service or that time.
+
+        The default promises nothing, so the adapter re-keys the call on every tick.
+        """
+        return 0, 0.0
+
+    def level_of(self, request_id: str) -> int | None:
+        """The level of the latest key computed for the request (events), if levelled."""
+        return None
+
+    def on_finished(self, request_id: str, session_id: str | None, now: float) -> None:
+        """The call left the engine (finished or aborted): drop per-call state."""
+
+    def on_session_end(self, session_id: str, now: float) -> None:
+        """The session's last round finished: drop per-session state."""
 
 
 @dataclass(slots=True)
@@ -115,6 +112,8 @@ class PinCandidate:
     """A round that just ended while its session goes on to a tool."""
 
     session_id: str
+    #: blocks that only this pin keeps resident (shared-prefix blocks held by other
+    #: requests or pins stay cached anyway and are not charged to it)
     blocks: int
     context_tokens: int
     tool: str | None
@@ -128,7 +127,8 @@ class KvPressure:
     total_blocks: int
     free_blocks: int
     pinned_blocks: int
-    #: blocks that waiting calls still need to be admitted (queued demand)
+    #: blocks that waiting calls still need to be admitted (queued demand, cache hits and
+    #: their own session's pinned context excluded)
     waiting_demand_blocks: int
     running: int = 0
     waiting: int = 0
@@ -138,51 +138,62 @@ class KvPressure:
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
 
 
-@runtime_checkable
-class RetentionPolicy(Protocol):
+class RetentionPolicy(ABC):
     """Decides whether a finished round's KV stays pinned across its tool call, and how long.
 
     ``admit`` is asked once when the round ends (0 means do not pin); ``keep`` is asked
     periodically while the tool runs so a decision can change with pressure (MARS) or stay
-    fixed (the baselines' one-off rules). ``observe_tool`` feeds finished tool durations.
+    fixed (the baselines' one-off rules). The ``observe_*`` feeds are no-ops for rules that
+    do not use them.
     """
 
-    name: str
+    name: str = "retention"
 
-    def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float: ...
+    @abstractmethod
+    def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        """Seconds to pin the candidate's blocks (0: release them now)."""
 
-    def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool: ...
+    @abstractmethod
+    def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool:
+        """Whether a pin granted earlier should still be held."""
 
-    def observe_tool(self, tool: str | None, duration_s: float) -> None: ...
+    def reclaim_rank(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        """Order in which pins go when memory is needed (lowest first); default: oldest."""
+        return cand.started
+
+    def observe_tool(self, tool: str | None, duration_s: float) -> None:
+        """A tool phase of this type lasted ``duration_s`` (gap between two rounds)."""
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` of prefill in ``seconds`` of step time."""
+
+    def observe_queue_delay(self, seconds: float) -> None:
+        """A later round that found no pin waited this long to be admitted."""
+
+    def observe_session(self, total_turns: int) -> None:
+        """A session finished after ``total_turns`` rounds."""
+
+    def forget(self, session_id: str) -> None:
+        """The adapter released the session's pin (resumed, expired, pressure)."""
 
 
-@dataclass(slots=True)
-class FcfsOrdering:
+class FcfsOrdering(OrderingPolicy):
     """Stock vLLM order: arrival time. Used by ``--policy fcfs`` and the retention baselines."""
 
-    name: str = "fcfs"
+    name = "fcfs"
+    reorders = False
 
     def key(self, call: CallView, now: float) -> tuple:
         return (call.arrival_time,)
 
-    def on_scheduled(self, call: CallView, tokens: int, now: float) -> None:
-        pass
 
-    def on_finished(self, request_id: str, session_id: str | None, now: float) -> None:
-        pass
-
-
-@dataclass(slots=True)
-class NoRetention:
+class NoRetention(RetentionPolicy):
     """Stock vLLM: a finished round's blocks go back to the pool (and its prefix cache)."""
 
-    name: str = "none"
+    name = "none"
 
     def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         return 0.0
 
     def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool:
         return False
-
-    def observe_tool(self, tool: str | None, duration_s: float) -> None:
-        pass

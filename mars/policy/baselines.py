@@ -20,7 +20,7 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.base import CallView, KvPressure, PinCandidate
+from mars.policy.base import CallView, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
 from mars.policy.retention import PrefillRate, ToolDurationModel
 
 # ====================================================================== Autellix PLAS
@@ -72,7 +72,7 @@ class _PlasCall:
         self.service_s = 0.0
 
 
-class AutellixPLAS:
+class AutellixPLAS(OrderingPolicy):
     """Program-level least-attained-service (``--policy autellix``).
 
     A call's queue is decided by the attained service of its whole *program* (the agent
@@ -168,15 +168,20 @@ class AutellixPLAS:
             # a session-less call is its own program; nothing will resume it
             self._programs.pop(st.program, None)
 
-    def forget_session(self, session_id: str) -> None:
+    def on_session_end(self, session_id: str, now: float) -> None:
         """The session ended for good; drop its attained service."""
         self._programs.pop(session_id, None)
+
+    @property
+    def num_programs(self) -> int:
+        """Programs whose attained service is kept (bounded by live sessions)."""
+        return len(self._programs)
 
 
 # ====================================================================== one-shot retention
 
 
-class _OneShotRetention:
+class _OneShotRetention(RetentionPolicy):
     """Retention decided once at admit; ``keep`` only checks the pin has not expired."""
 
     name = "oneshot"

@@ -76,7 +76,7 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.base import CallView
+from mars.policy.base import CallView, OrderingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,7 @@ class _WindowedService:
         return self.total
 
 
-class WindowedMLFQ:
+class WindowedMLFQ(OrderingPolicy):
     """The MARS ordering policy (``--policy mars``). See the module docstring for the rule."""
 
     name = "mars"
@@ -241,12 +241,6 @@ class WindowedMLFQ:
         if svc is None:
             svc = self._service[call.request_id] = _WindowedService()
         svc.add(int(now // self._bucket_w), tokens)
-
-    def served(self, call: CallView, tokens: int, now: float) -> tuple:
-        """``on_scheduled`` then ``key``, for a call that was just served: the adapter charges
-        the service it deferred within the call's :meth:`horizon` this way, in one call."""
-        self.on_scheduled(call, tokens, now)
-        return self.key(call, now)
 
     def horizon(self, call: CallView, now: float) -> tuple[float, float]:
         """How much more service (tokens) and until when (s) the call's key cannot change.

@@ -39,6 +39,9 @@ class PolicySpec:
     #: growth room (tokens per running call) kept free when admitting; 0 = vLLM's rule
     #: (:mod:`mars.policy.headroom`; part of the co-scheduler, like chunk shrinking)
     admit_headroom_tokens: int = 0
+    #: a running prefill ranked below admissible waiting calls leaves them its tokens (part
+    #: of MARS's Priority-Aware Coordinator; no baseline paper describes it)
+    prefill_yield: bool = False
 
     def build(self) -> tuple[OrderingPolicy, RetentionPolicy]:
         return self.ordering(), self.retention()
@@ -51,15 +54,16 @@ _SPECS: dict[str, PolicySpec] = {
                    chunk_shrink=False, pin=False, sidecar_admission=False),
         PolicySpec("mars", WindowedMLFQ, CostBenefitRetention,
                    chunk_shrink=True, pin=True, sidecar_admission=True,
-                   admit_headroom_tokens=8),
+                   admit_headroom_tokens=8, prefill_yield=True),
         PolicySpec("mars_no_coord", FcfsOrdering, CostBenefitRetention,
                    chunk_shrink=True, pin=True, sidecar_admission=True,
                    admit_headroom_tokens=8),
         PolicySpec("mars_no_ctrl", WindowedMLFQ, CostBenefitRetention,
                    chunk_shrink=True, pin=True, sidecar_admission=False,
-                   admit_headroom_tokens=8),
+                   admit_headroom_tokens=8, prefill_yield=True),
         PolicySpec("mars_no_cosched", WindowedMLFQ, NoRetention,
-                   chunk_shrink=False, pin=False, sidecar_admission=True),
+                   chunk_shrink=False, pin=False, sidecar_admission=True,
+                   prefill_yield=True),
         PolicySpec("autellix", AutellixPLAS, NoRetention,
                    chunk_shrink=False, pin=False, sidecar_admission=False),
         PolicySpec("infercept", FcfsOrdering, InferceptRetention,

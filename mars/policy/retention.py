@@ -44,7 +44,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.base import KvPressure, PinCandidate
+from mars.policy.base import KvPressure, PinCandidate, RetentionPolicy
 
 ALL_TOOLS = "*"
 
@@ -232,12 +232,12 @@ def block_price(kv: KvPressure, price_scale: float, exponent: float, rho_cap: fl
 
 
 @dataclass(slots=True)
-class _Pin:
+class _PinDecision:
     tau: float
     started: float
 
 
-class CostBenefitRetention:
+class CostBenefitRetention(RetentionPolicy):
     """The MARS retention policy (``--policy mars``). See the module docstring for the rule."""
 
     name = "mars"
@@ -250,7 +250,7 @@ class CostBenefitRetention:
         self.prefill = PrefillRate(cfg.prefill_tokens_per_s, cfg.prefill_ema_alpha)
         self._grid = tuple(sorted({t for t in cfg.tau_grid_s if t < cfg.max_tau_s}
                                   | {cfg.max_tau_s}))
-        self._pins: dict[str, _Pin] = {}
+        self._pins: dict[str, _PinDecision] = {}
 
     # ------------------------------------------------------------------ feeding
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
@@ -307,7 +307,7 @@ class CostBenefitRetention:
             return 0.0
         tau, _ = self.best_tau(cand, kv)
         if tau > 0:
-            self._pins[cand.session_id] = _Pin(tau, cand.started)
+            self._pins[cand.session_id] = _PinDecision(tau, cand.started)
         else:
             self._pins.pop(cand.session_id, None)
         return tau
@@ -325,6 +325,15 @@ class CostBenefitRetention:
             self._pins.pop(cand.session_id, None)
             return False
         return True
+
+    def reclaim_rank(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        """The pin's best net gain over what is left of it: the least valuable goes first."""
+        pin = self._pins.get(cand.session_id)
+        tau = pin.tau if pin is not None else self.config.max_tau_s
+        elapsed = max(0.0, now - cand.started)
+        if tau - elapsed <= 0:
+            return -math.inf
+        return self.best_tau(cand, kv, elapsed=elapsed, horizon=tau - elapsed)[1]
 
     def tau_of(self, session_id: str) -> float | None:
         """The pin duration decided at ``admit`` (None if not pinned by this policy)."""

@@ -15,8 +15,8 @@ re-serialisation on the hot path).
 
 Everything else in the body is the engine's business: unknown top-level fields and the other
 ``vllm_xargs`` keys are passed through and vLLM answers for them. Only what the sidecar itself
-relies on is checked here (a JSON object, ``vllm_xargs`` an object, ``job_id`` / ``round`` /
-``last_round`` of a usable type), and a violation is a 400 with a message.
+relies on is checked here (a JSON object, ``vllm_xargs`` an object, the session metadata by
+the one rule set of :mod:`mars.policy.session`), and a violation is a 400 with a message.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from mars.policy.session import SessionMeta, SessionMetaError, session_id_value
+
 #: header fallbacks for the session id, in order
 SESSION_HEADERS = ("x-session-id", "x-mars-session-id", "x-litellm-session-id")
-MAX_SESSION_ID_LEN = 256
 
 
 class BadRequest(ValueError):
@@ -70,36 +71,10 @@ class GenerateRequest:
 
 
 def _session_value(v: Any, where: str) -> str:
-    if isinstance(v, bool) or not isinstance(v, (str, int)):
-        raise BadRequest(f"{where} must be a string or an integer", param=where)
-    s = str(v)
-    if not s or len(s) > MAX_SESSION_ID_LEN:
-        raise BadRequest(f"{where} must be 1..{MAX_SESSION_ID_LEN} characters", param=where)
-    return s
-
-
-def _round(v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        raise BadRequest("vllm_xargs.round must be an integer", param="vllm_xargs.round")
     try:
-        r = int(v)
-    except (TypeError, ValueError):
-        raise BadRequest("vllm_xargs.round must be an integer", param="vllm_xargs.round") from None
-    if isinstance(v, float) and v != r:
-        raise BadRequest("vllm_xargs.round must be an integer", param="vllm_xargs.round")
-    return r
-
-
-def _flag(v: Any) -> bool:
-    if v is None or isinstance(v, bool):
-        return bool(v)
-    if isinstance(v, (int, float)) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no", ""):
-        return v.strip().lower() in ("true", "1", "yes")
-    raise BadRequest("vllm_xargs.last_round must be a boolean", param="vllm_xargs.last_round")
+        return session_id_value(v, where)
+    except SessionMetaError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
 
 
 def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
@@ -132,8 +107,12 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
                     sid, source = _session_value(v.strip(), h), h
                     break
 
-    rnd = _round(xargs.get("round")) if xargs else None
-    last = _flag(xargs.get("last_round")) if xargs else False
+    try:
+        # the one rule set for session metadata (the engine reads it leniently)
+        meta = SessionMeta.parse(xargs, strict=True)
+    except SessionMetaError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+    rnd, last = meta.round, meta.last_round
 
     if sid is not None and source != "vllm_xargs":
         new_xargs = dict(xargs or {})
