@@ -8,7 +8,7 @@ import pytest
 
 from mars.policy.admission import (AdmissionConfig, AlreadyAdmitted, BalanceAndAdmit,
                                    QueueFull)
-from mars.policy.aimd import AIMDConfig
+from mars.policy.window import AIMDConfig
 from mars.policy.events import make_event, parse_event
 from mars.policy.packing import PackConfig, PackMode
 from mars.policy.pressure import PressureConfig

@@ -1,4 +1,4 @@
-"""UpdateWindow (mars.policy.aimd) and the dual-pressure state it reads (mars.policy.pressure)."""
+"""UpdateWindow (mars.policy.window) and the dual-pressure state it reads (mars.policy.pressure)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mars.policy.aimd import (AdmissionController, AIMDConfig, Hysteresis, cpu_little_cap,
+from mars.policy.window import (WindowController, AIMDConfig, Hysteresis, OverloadBand, cpu_little_cap,
                               kv_soft_cap)
 from mars.policy.events import make_event
 from mars.policy.pressure import DualPressureState, PressureConfig
@@ -112,7 +112,7 @@ def test_kv_soft_cap_shape():
 
 
 def test_kv_cap_top_is_pool_capacity_in_sessions():
-    ctl = AdmissionController(AIMDConfig(max_window=64, kv_knee=0.7))
+    ctl = WindowController(AIMDConfig(max_window=64, kv_knee=0.7))
     st = DualPressureState()
     kv(st, 0.0, 0.5)  # 500 used blocks by 10 sessions -> 50 blocks each -> 20 sessions fit
     d = ctl.update(st, in_use=10, now=0.0)
@@ -137,7 +137,7 @@ def test_cpu_cap_tightens_as_active_tools_exceed_cores():
 
 def test_cpu_cap_follows_littles_law_from_rate_and_duration():
     cfg = AIMDConfig(max_window=64, cpu_rate_tau_s=60, cpu_rate_min_session_s=30)
-    ctl = AdmissionController(cfg)
+    ctl = WindowController(cfg)
     st = DualPressureState(PressureConfig(tool_cores=8))
     in_use = 10
     # each of 10 sessions starts a tool every 10 s (1 start/s overall), each lasts 4 s
@@ -161,7 +161,7 @@ def test_cpu_cap_follows_littles_law_from_rate_and_duration():
 
 # ------------------------------------------------------------------ AIMD
 def test_decrease_on_kv_overload():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, backoff_ratio=0.75))
+    ctl = WindowController(AIMDConfig(initial_window=8, backoff_ratio=0.75))
     st = DualPressureState()
     kv(st, 0.0, 0.97)
     d = ctl.update(st, in_use=8, now=0.0)
@@ -171,7 +171,7 @@ def test_decrease_on_kv_overload():
 
 
 def test_decrease_on_cpu_overload():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, backoff_ratio=0.75, cpu_persist_s=5))
+    ctl = WindowController(AIMDConfig(initial_window=8, backoff_ratio=0.75, cpu=OverloadBand(1.25, 0.9, 5)))
     st = DualPressureState(PressureConfig(tool_cores=8))
     tools(st, 0.0, 11)  # load 1.375 >= cpu_enter 1.25
     d = ctl.update(st, in_use=8, now=0.0)
@@ -184,7 +184,7 @@ def test_decrease_on_cpu_overload():
 
 
 def test_transient_cpu_spike_does_not_decrease():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, cpu_persist_s=5))
+    ctl = WindowController(AIMDConfig(initial_window=8, cpu=OverloadBand(1.25, 0.9, 5)))
     st = DualPressureState(PressureConfig(tool_cores=8))
     for t in range(0, 60):
         n = 12 if t % 4 == 0 else 4  # a 1 s burst above cpu_enter every 4 s
@@ -194,12 +194,12 @@ def test_transient_cpu_spike_does_not_decrease():
 
 
 def test_decrease_on_preemption_and_engine_queue():
-    ctl = AdmissionController(AIMDConfig(initial_window=8))
+    ctl = WindowController(AIMDConfig(initial_window=8))
     st = DualPressureState()
     st.observe(make_event("preempt", ts=0.0, request_id="r", blocks=4))
     d = ctl.update(st, in_use=8, now=0.0)
     assert d.mode == "decrease" and d.kv_overloaded
-    ctl2 = AdmissionController(AIMDConfig(initial_window=8, engine_queue_persist_s=2))
+    ctl2 = WindowController(AIMDConfig(initial_window=8, engine_queue=OverloadBand(1.0, 0.25, 2)))
     st2 = DualPressureState()
     kv(st2, 0.0, 0.5, running=4, waiting=8)
     assert ctl2.update(st2, in_use=8, now=0.0).mode == "hold"
@@ -209,7 +209,7 @@ def test_decrease_on_preemption_and_engine_queue():
 
 
 def test_decrease_takes_operating_point_not_unused_window():
-    ctl = AdmissionController(AIMDConfig(initial_window=20, backoff_ratio=0.75))
+    ctl = WindowController(AIMDConfig(initial_window=20, backoff_ratio=0.75))
     st = DualPressureState()
     kv(st, 0.0, 0.97)
     d = ctl.update(st, in_use=8, now=0.0)
@@ -218,7 +218,7 @@ def test_decrease_takes_operating_point_not_unused_window():
 
 def test_decreases_are_rate_limited_and_wait_for_drain():
     cfg = AIMDConfig(initial_window=8, backoff_ratio=0.75, decrease_cooldown_s=10)
-    ctl = AdmissionController(cfg)
+    ctl = WindowController(cfg)
     st = DualPressureState()
     kv(st, 0.0, 0.97)
     windows = []
@@ -227,7 +227,7 @@ def test_decreases_are_rate_limited_and_wait_for_drain():
         windows.append(ctl.update(st, in_use=0, now=float(t)).window)
     assert windows == pytest.approx([6.0, 6.0, 4.5, 4.5, 3.375, 3.375, 2.375])
     # drain rule: with 8 sessions still admitted above a window of 6, no second cut
-    ctl = AdmissionController(cfg)
+    ctl = WindowController(cfg)
     assert ctl.update(st, in_use=8, now=30.0).window == pytest.approx(6.0)
     d = ctl.update(st, in_use=8, now=45.0)
     assert d.mode == "hold" and d.window == pytest.approx(6.0) and "draining" in d.reason
@@ -236,7 +236,7 @@ def test_decreases_are_rate_limited_and_wait_for_drain():
 
 
 def test_window_and_budget_never_below_floor():
-    ctl = AdmissionController(AIMDConfig(initial_window=4, min_window=1,
+    ctl = WindowController(AIMDConfig(initial_window=4, min_window=1,
                                          decrease_cooldown_s=1))
     st = DualPressureState()
     for t in range(50):
@@ -246,7 +246,7 @@ def test_window_and_budget_never_below_floor():
 
 
 def test_no_growth_while_under_used():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, healthy_ticks=3,
+    ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=3,
                                          increase_interval_s=2, increase_min_utilisation=0.75))
     st = DualPressureState()
     kv(st, 0.0, 0.3)
@@ -258,7 +258,7 @@ def test_no_growth_while_under_used():
 
 
 def test_growth_after_sustained_health_when_used():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, healthy_ticks=3,
+    ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=3,
                                          increase_interval_s=2, additive_increase=1))
     st = DualPressureState()
     trace = []
@@ -271,7 +271,7 @@ def test_growth_after_sustained_health_when_used():
 
 
 def test_growth_rate_independent_of_call_rate():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, healthy_ticks=3,
+    ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=3,
                                          increase_interval_s=2))
     st = DualPressureState()
     kv(st, 0.0, 0.3)
@@ -281,7 +281,7 @@ def test_growth_rate_independent_of_call_rate():
 
 
 def test_growth_stops_at_ceiling_and_resets_on_band():
-    ctl = AdmissionController(AIMDConfig(initial_window=9, max_window=10, healthy_ticks=1,
+    ctl = WindowController(AIMDConfig(initial_window=9, max_window=10, healthy_ticks=1,
                                          increase_interval_s=1))
     st = DualPressureState()
     kv(st, 0.0, 0.3)
@@ -291,8 +291,8 @@ def test_growth_stops_at_ceiling_and_resets_on_band():
 
 
 def test_no_toggling_inside_kv_band():
-    cfg = AIMDConfig(initial_window=8, kv_enter=0.95, kv_leave=0.85)
-    ctl = AdmissionController(cfg)
+    cfg = AIMDConfig(initial_window=8, kv=OverloadBand(0.95, 0.85))
+    ctl = WindowController(cfg)
     st = DualPressureState()
     decisions = []
     for i in range(200):
@@ -305,7 +305,7 @@ def test_no_toggling_inside_kv_band():
     assert {d.slots for d in decisions} == {0}
 
     # Same oscillation after entering overload: one decrease, then a constant hold.
-    ctl = AdmissionController(cfg)
+    ctl = WindowController(cfg)
     kv(st, 1000.0, 0.97)
     first = ctl.update(st, in_use=6, now=1000.0)
     assert first.mode == "decrease" and first.window == pytest.approx(4.5)
@@ -322,7 +322,7 @@ def test_no_toggling_inside_kv_band():
 
 
 def test_no_toggling_inside_cpu_band():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, cpu_enter=1.25, cpu_leave=0.9))
+    ctl = WindowController(AIMDConfig(initial_window=8, cpu=OverloadBand(1.25, 0.9)))
     st = DualPressureState(PressureConfig(tool_cores=8))
     tools(st, 0.0, 8)
     decisions = []
@@ -342,7 +342,7 @@ def test_no_toggling_inside_cpu_band():
 
 
 def test_budget_is_min_of_window_and_caps():
-    ctl = AdmissionController(AIMDConfig(initial_window=8, max_window=64))
+    ctl = WindowController(AIMDConfig(initial_window=8, max_window=64))
     st = DualPressureState()
     d = ctl.update(st, in_use=0, now=0.0)  # nothing known: only the window limits
     assert (d.kv_cap, d.cpu_cap, d.budget, d.slots) == (64.0, 64.0, 8, 8)
@@ -355,13 +355,13 @@ def test_config_validation():
     with pytest.raises(ValueError):
         AIMDConfig(min_window=0)
     with pytest.raises(ValueError):
-        AIMDConfig(kv_enter=0.8, kv_leave=0.9)
+        AIMDConfig(kv=OverloadBand(0.8, 0.9))
     with pytest.raises(ValueError):
         AIMDConfig(initial_window=100, max_window=64)
     with pytest.raises(ValueError):
         AIMDConfig(backoff_ratio=1.0)
     with pytest.raises(ValueError):
-        AIMDConfig(cpu_persist_s=-1)
+        AIMDConfig(cpu={"enter": 1.25, "leave": 0.9, "persist_s": -1})
 
 
 def test_hysteresis_latch():

@@ -3,7 +3,7 @@
 :class:`BalanceAndAdmit` is a pure state machine that owns the waiting queue and the set of
 admitted sessions and composes the two policies:
 
-1. ``UpdateWindow`` (:class:`~mars.policy.aimd.AdmissionController`) turns the dual-pressure
+1. ``UpdateWindow`` (:class:`~mars.policy.window.WindowController`) turns the dual-pressure
    state into a budget of admitted sessions;
 2. ``PackQueue`` (:class:`~mars.policy.packing.PackQueue`) picks which queued sessions fill
    ``budget - in_use`` free slots under the free-block budget.
@@ -27,7 +27,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from mars.policy.aimd import AdmissionController, AIMDConfig, WindowDecision
+from mars.policy.window import WindowController, AIMDConfig, WindowDecision
 from mars.policy.events import make_event
 from mars.policy.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
                                  estimate_blocks)
@@ -102,7 +102,7 @@ class BalanceAndAdmit:
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = cfg = config or AdmissionConfig()
         self.state = DualPressureState(cfg.pressure)
-        self.controller = AdmissionController(cfg.aimd)
+        self.controller = WindowController(cfg.aimd)
         self.packer = PackQueue(cfg.packing)
         self._queue: dict[str, QueuedSession] = {}
         self._admitted: dict[str, AdmittedSession] = {}

@@ -1,6 +1,6 @@
 """Global Load Balancer: PackQueue of Algorithm 1 (paper §4.2).
 
-The controller (:mod:`mars.policy.aimd`) decides *how many* sessions may enter; this module
+The controller (:mod:`mars.policy.window`) decides *how many* sessions may enter; this module
 decides *which*. Each queued session carries a KV-block estimate derived from its prompt
 length (a proxy for both prefill cost and memory footprint, in the allocator's own unit), and
 the packer orders or selects by it according to the operating regime:

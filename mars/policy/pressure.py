@@ -5,7 +5,7 @@ handful of numbers the admission controller and the packer read. It is *mechanis
 policy: it never decides anything, it only keeps running counters and averages and turns them
 into normalised signals (:class:`PressureSignals`) on request.
 
-Why a separate object: the controller (:mod:`mars.policy.aimd`) and the packer
+Why a separate object: the controller (:mod:`mars.policy.window`) and the packer
 (:mod:`mars.policy.packing`) must see one consistent snapshot per control step, and both must
 be testable on hand-made states. Feeding events here and reading :meth:`signals` gives both.
 

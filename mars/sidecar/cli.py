@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from mars.policy.admission import AdmissionConfig
-from mars.policy.aimd import AIMDConfig
+from mars.policy.window import AIMDConfig
 from mars.policy.packing import PackConfig
 from mars.policy.pressure import PressureConfig
 from mars.sidecar.config import SidecarConfig, engine_events_for

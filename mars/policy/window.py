@@ -1,4 +1,4 @@
-"""External Admission Controller: UpdateWindow of Algorithm 1 (paper §4.2).
+"""UpdateWindow of Algorithm 1 (paper §4.2): the session window controller.
 
 The controller answers one question per control step: *how many sessions may be admitted
 (in total) right now?* It keeps a raw window ``W`` driven by AIMD on dual-pressure overload,
@@ -9,11 +9,11 @@ and clamps it with two capacity-derived caps::
 Design choices, each aimed at one way such loops oscillate (see docs/control_plane.md for the
 comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filter):
 
-* **Hysteresis per signal.** A signal enters overload at ``*_enter`` and leaves only at
-  ``*_leave`` (< enter). Between the two (the band) the window *holds*: it neither grows nor
+* **Hysteresis per signal** (one :class:`OverloadBand` each). A signal enters overload at
+  ``enter`` and leaves only at ``leave`` (< enter). Between the two (the band) the window *holds*: it neither grows nor
   shrinks. Growth needs every signal at or below its leave threshold.
 * **Persistence before entering.** A signal must stay above its enter threshold for
-  ``*_persist_s`` before it counts as overload (CPU 5 s, engine queue 2 s; KV and preemptions
+  ``persist_s`` before it counts as overload (CPU 5 s, engine queue 2 s; KV and preemptions
   at once), so one instantaneous reading (a burst of tool starts, a request that waits one
   engine step) does not cut the window.
 * **Rate-limited, operating-point decrease.** At most one multiplicative decrease per
@@ -41,9 +41,37 @@ Time is passed in; nothing here reads a clock.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mars.policy.pressure import DualPressureState, PressureSignals
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadBand:
+    """Hysteresis of one overload signal: it enters overload at ``enter`` (>=) once it has
+    stayed there ``persist_s`` seconds, and leaves at ``leave`` (<=); between the two the
+    window holds."""
+
+    enter: float
+    leave: float
+    persist_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.enter) and math.isfinite(self.leave)):
+            raise ValueError("enter and leave must be finite")
+        if self.leave >= self.enter:
+            raise ValueError(f"leave ({self.leave}) must be < enter ({self.enter}): "
+                             "the hysteresis band")
+        if not self.persist_s >= 0:
+            raise ValueError("persist_s must be >= 0")
+
+    @classmethod
+    def of(cls, value: "OverloadBand | dict") -> "OverloadBand":
+        """A band from itself or from a mapping (``--config`` JSON gives mappings)."""
+        return value if isinstance(value, cls) else cls(**value)
+
+
+_BANDS = ("kv", "preempt", "engine_queue", "cpu", "slowdown")
 
 
 @dataclass(slots=True)
@@ -71,31 +99,17 @@ class AIMDConfig:
     #: W grows only if in_use >= this fraction of W (no growth while the window is unused).
     increase_min_utilisation: float = 0.75
 
-    # --- overload hysteresis (enter >= ; leave <=) ----------------------------------------
-    #: KV utilisation entering / leaving overload.
-    kv_enter: float = 0.95
-    kv_leave: float = 0.85
-    #: Preemptions within PressureConfig.preempt_window_s entering / leaving overload.
-    preempt_enter: float = 1
-    preempt_leave: float = 0
-    #: Engine waiting/running ratio entering / leaving (GPU compute) overload.
-    engine_queue_enter: float = 1.0
-    engine_queue_leave: float = 0.25
-    #: CPU load (active tools / tool cores) entering / leaving overload.
-    cpu_enter: float = 1.25
-    cpu_leave: float = 0.9
-    #: Tool slowdown (observed / baseline duration) entering / leaving overload.
-    slowdown_enter: float = 2.0
-    slowdown_leave: float = 1.3
-    #: Seconds a signal must stay at or above its enter threshold before overload is entered
-    #: (debounce of instantaneous readings). 0 for KV and preemptions: running out of memory
-    #: costs recomputation at once. The tool slowdown is already an EMA. CPU needs persistent
-    #: contention (the paper's rule), engine queueing a few steps' worth.
-    kv_persist_s: float = 0.0
-    preempt_persist_s: float = 0.0
-    engine_queue_persist_s: float = 2.0
-    cpu_persist_s: float = 5.0
-    slowdown_persist_s: float = 0.0
+    # --- overload hysteresis, one band per signal ---------------------------------------
+    #: KV utilisation (0 s persistence: running out of memory costs recomputation at once).
+    kv: OverloadBand = field(default_factory=lambda: OverloadBand(0.95, 0.85, 0.0))
+    #: Preemptions within PressureConfig.preempt_window_s (any preemption is KV thrashing).
+    preempt: OverloadBand = field(default_factory=lambda: OverloadBand(1, 0, 0.0))
+    #: Engine waiting/running ratio (GPU compute); a request waiting one step is not overload.
+    engine_queue: OverloadBand = field(default_factory=lambda: OverloadBand(1.0, 0.25, 2.0))
+    #: CPU load (active tools / tool cores); persistent contention only (paper §4.1).
+    cpu: OverloadBand = field(default_factory=lambda: OverloadBand(1.25, 0.9, 5.0))
+    #: Tool slowdown (observed / baseline duration); already an EMA.
+    slowdown: OverloadBand = field(default_factory=lambda: OverloadBand(2.0, 1.3, 0.0))
 
     # --- KV soft cap ---------------------------------------------------------------------
     #: Utilisation below which the KV cap does not bind.
@@ -128,12 +142,13 @@ class AIMDConfig:
             raise ValueError("additive_increase must be > 0 and healthy_ticks >= 1")
         if not 0.0 <= self.increase_min_utilisation <= 1.0:
             raise ValueError("increase_min_utilisation must be in [0, 1]")
-        for sig in ("kv", "preempt", "engine_queue", "cpu", "slowdown"):
-            enter, leave = getattr(self, f"{sig}_enter"), getattr(self, f"{sig}_leave")
-            if leave >= enter:
-                raise ValueError(f"{sig}_leave must be < {sig}_enter (hysteresis band)")
-            if getattr(self, f"{sig}_persist_s") < 0:
-                raise ValueError(f"{sig}_persist_s must be >= 0")
+        try:
+            self.kv, self.preempt, self.engine_queue, self.cpu, self.slowdown = (
+                OverloadBand.of(self.kv), OverloadBand.of(self.preempt),
+                OverloadBand.of(self.engine_queue), OverloadBand.of(self.cpu),
+                OverloadBand.of(self.slowdown))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"overload band ({', '.join(_BANDS)}): {exc}") from None
         if not 0.0 <= self.kv_knee < 1.0 or self.kv_cap_exponent <= 0:
             raise ValueError("kv_knee must be in [0, 1) and kv_cap_exponent > 0")
         if self.cpu_target_load <= 0 or self.cpu_rate_tau_s <= 0:
@@ -195,6 +210,10 @@ class Hysteresis:
         self.on = False
         self.value: float | None = None
         self._since: float | None = None
+
+    @classmethod
+    def of(cls, name: str, band: OverloadBand) -> "Hysteresis":
+        return cls(name, band.enter, band.leave, band.persist_s)
 
     def update(self, value: float | None, now: float = 0.0) -> bool:
         self.value = value
@@ -288,7 +307,7 @@ class _RateEstimator:
         return self.starts_w / self.session_s_w
 
 
-class AdmissionController:
+class WindowController:
     """UpdateWindow: AIMD on dual-pressure overload, clamped by the CPU and KV caps.
 
     Stateful (window, latches, streak, timers); call :meth:`update` on every control step with
@@ -298,14 +317,11 @@ class AdmissionController:
     def __init__(self, config: AIMDConfig | None = None) -> None:
         self.config = c = config or AIMDConfig()
         self.window: float = float(c.initial_window)
-        self._kv = Hysteresis("kv", c.kv_enter, c.kv_leave, c.kv_persist_s)
-        self._preempt = Hysteresis("preempt", c.preempt_enter, c.preempt_leave,
-                                   c.preempt_persist_s)
-        self._queue = Hysteresis("engine_queue", c.engine_queue_enter, c.engine_queue_leave,
-                                 c.engine_queue_persist_s)
-        self._cpu = Hysteresis("cpu", c.cpu_enter, c.cpu_leave, c.cpu_persist_s)
-        self._slow = Hysteresis("slowdown", c.slowdown_enter, c.slowdown_leave,
-                                c.slowdown_persist_s)
+        self._kv = Hysteresis.of("kv", c.kv)
+        self._preempt = Hysteresis.of("preempt", c.preempt)
+        self._queue = Hysteresis.of("engine_queue", c.engine_queue)
+        self._cpu = Hysteresis.of("cpu", c.cpu)
+        self._slow = Hysteresis.of("slowdown", c.slowdown)
         self._latches = (self._kv, self._preempt, self._queue, self._cpu, self._slow)
         self._streak = 0
         self._last_eval: float | None = None
