@@ -1,0 +1,112 @@
+"""The sidecar's session admission as a sans-IO state machine, on a fake clock: no event loop,
+no HTTP. The asyncio shell (``mars.sidecar.control``) and the simulator drive this object."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mars.policy.admission import AdmissionConfig, QueueFull
+from mars.policy.window import AIMDConfig
+from mars.sidecar.admission_core import AdmissionCore, CoreConfig, Listener
+
+
+class Shell:
+    def __init__(self, admission: bool = True, window: int = 2, **cfg) -> None:
+        self.events: list[dict] = []
+        self.admitted: list[str] = []
+        self.ended: list[tuple[str, str]] = []
+        acfg = AdmissionConfig(aimd=AIMDConfig(min_window=1, initial_window=window,
+                                               max_window=max(window, 1)), **cfg)
+        self.core = AdmissionCore(
+            CoreConfig(admission=admission, admission_config=acfg, idle_timeout_s=10.0),
+            Listener(emit=self.events.append,
+                     admitted=lambda s, q: self.admitted.append(s.id),
+                     ended=lambda s, r: self.ended.append((s.id, r))))
+
+    def kinds(self) -> list[str]:
+        return [e["kind"] for e in self.events]
+
+
+def test_pass_through_admits_at_once_and_ends_on_the_last_round():
+    sh = Shell(admission=False)
+    c = sh.core
+    s = c.arrive("a", 0.0)
+    assert s.is_admitted and sh.admitted == ["a"] and c.in_use == 1
+    c.forward(s, 0.1)
+    c.finish(s, "ok", 0.2)
+    assert not s.ended  # no marker yet: the session goes on to a tool
+    c.forward(s, 1.0, last_round=True)
+    c.finish(s, "ok", 1.5)
+    assert s.ended and sh.ended == [("a", "last_round")] and c.in_use == 0
+    assert sh.kinds() == ["session_admit", "session_end"]
+
+
+def test_queued_sessions_are_admitted_by_steps_within_the_window():
+    sh = Shell(window=2)
+    c = sh.core
+    ss = [c.arrive(sid, 0.0) for sid in ("a", "b", "c")]
+    assert not any(s.is_admitted for s in ss) and c.queued == 3
+    admitted = c.step(0.01)
+    assert [s.id for s in admitted] == sh.admitted and len(admitted) == 2
+    assert c.in_use == 2 and c.queued == 1
+    assert "window_update" in sh.kinds() and sh.kinds().count("session_admit") == 2
+    # the third waits until a slot is released
+    assert c.step(0.02) == []
+    first = admitted[0]
+    c.forward(first, 0.03, last_round=True)
+    c.finish(first, "ok", 0.04)
+    later = c.step(0.05)
+    assert len(later) == 1 and c.in_use == 2 and c.queued == 0
+
+
+def test_a_waiter_that_gives_up_withdraws_its_session():
+    sh = Shell(window=1)
+    c = sh.core
+    a, b = c.arrive("a", 0.0), c.arrive("b", 0.0)
+    c.step(0.0)
+    waiting = b if a.is_admitted else a
+    waiting.waiting = 2  # two requests of the same session wait
+    c.give_up(waiting, "disconnect", 1.0)
+    assert not waiting.ended and c.queued == 1  # the other waiter still wants it
+    c.give_up(waiting, "error", 2.0)
+    assert waiting.ended and c.queued == 0 and (waiting.id, "error") in sh.ended
+
+
+def test_idle_sessions_are_reaped_on_the_fake_clock():
+    sh = Shell(admission=False)
+    c = sh.core
+    s = c.arrive("a", 0.0)
+    c.forward(s, 0.0)
+    c.finish(s, "ok", 1.0)
+    assert c.reap_idle(10.9) == 0
+    # a tool event keeps it alive
+    c.observe({"kind": "tool_start", "session_id": "a", "ts": 10.9, "tool": "t"}, 10.9)
+    assert c.reap_idle(20.0) == 0
+    c.observe({"kind": "tool_end", "session_id": "a", "ts": 20.0, "tool": "t",
+               "duration_s": 9.1}, 20.0)
+    assert c.reap_idle(29.0) == 0 and c.reap_idle(30.1) == 1
+    assert sh.ended == [("a", "idle")]
+
+
+def test_queue_full_records_nothing_and_ends_are_idempotent():
+    sh = Shell(window=1, max_queue=1)
+    c = sh.core
+    c.arrive("a", 0.0)
+    with pytest.raises(QueueFull):
+        c.arrive("b", 0.0)
+    assert set(c.sessions) == {"a"}
+    assert c.end_session("a", "deleted", 1.0) and not c.end_session("a", "deleted", 1.0)
+    assert sh.ended == [("a", "deleted")] and c.queued == 0
+
+
+def test_one_shot_sessions_end_with_their_request():
+    sh = Shell(admission=False)
+    c = sh.core
+    sid = c.oneshot_id()
+    s = c.arrive(sid, 0.0, one_shot=True)
+    c.forward(s, 0.0)
+    c.finish(s, "disconnect", 0.5)
+    assert sh.ended == [(sid, "disconnect")]
+    assert dataclasses.is_dataclass(s)
