@@ -55,3 +55,34 @@ def test_single_top_level_package():
     from importlib.metadata import distribution
 
     assert distribution("mars-serve").read_text("top_level.txt").split() in (["mars"], None)
+
+
+#: modules that drive policy objects: they call the declared contract
+#: (:mod:`mars.policy.base`, :class:`mars.policy.admission.BalanceAndAdmit`), never probe it
+_POLICY_DRIVERS = ("vllm_patches/scheduler.py", "vllm_patches/coordinator.py",
+                   "vllm_patches/coscheduler.py", "vllm_patches/calls.py",
+                   "vllm_patches/pins.py", "vllm_patches/offline.py",
+                   "sidecar/control.py", "sidecar/admission_core.py")
+
+
+@pytest.mark.parametrize("rel", _POLICY_DRIVERS)
+def test_adapters_never_probe_policy_objects(rel):
+    """No ``getattr`` / ``hasattr`` in the adapters: an optional policy method is a declared
+    no-op on the abstract base, so a typo is an error and not a silently skipped feature."""
+    path = PKG / rel
+    if not path.exists():
+        pytest.skip(f"{rel} not present")
+    probes = [f"{rel}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("getattr", "hasattr")]
+    assert probes == []
+
+
+def test_policies_implement_the_declared_contracts():
+    from mars.policy.base import OrderingPolicy, RetentionPolicy
+    from mars.policy.registry import POLICY_NAMES, get_policy
+
+    for name in POLICY_NAMES:
+        ordering, retention = get_policy(name).build()
+        assert isinstance(ordering, OrderingPolicy), name
+        assert isinstance(retention, RetentionPolicy), name

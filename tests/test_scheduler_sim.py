@@ -12,59 +12,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from mars.vllm_patches import schedbench  # noqa: E402
+from mars.vllm_patches.offline import (  # noqa: E402
+    BLOCK_SIZE, AgentLoop, AgentLoopDriver, OfflineEngine)
 
-BS = schedbench.BLOCK_SIZE
+BS = BLOCK_SIZE
 
 
-class Sim:
-    """Steps one scheduler; requests arrive at given steps; outputs are synthetic tokens."""
-
-    def __init__(self, policy: str, num_blocks: int, budget: int, tmp_path, **mars) -> None:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.request import Request
-
-        self.events_file = str(tmp_path / f"{policy}.jsonl")
-        vc = schedbench.build_vllm_config(policy, 32, max_num_batched_tokens=budget)
-        vc.additional_config["mars"].update(events_file=self.events_file, **mars)
-        self.sched, hbs = schedbench.build_scheduler(policy, vc, num_blocks)
-        self._hasher = schedbench._block_hasher(vc, hbs)
-        self._Request, self._SP, self._MRO = Request, SamplingParams, ModelRunnerOutput
-        self.live: dict[str, object] = {}
-        self.done: dict[str, list[int]] = {}
-        self.step_no = 0
-
-    def add(self, rid: str, prompt: list[int], max_tokens: int, **xargs) -> None:
-        sp = self._SP(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs)
-        req = self._Request(rid, prompt, sp, None, block_hasher=self._hasher)
-        self.live[rid] = req
-        self.sched.add_request(req)
-
-    def step(self) -> None:
-        out = self.sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = [[] if self.live[r].is_prefill_chunk else [17 + self.step_no % 50]
-                   for r in ids]
-        eco = self.sched.update_from_output(out, self._MRO(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled))
-        for outs in eco.values():
-            for o in outs.outputs:
-                if o.finish_reason is not None:
-                    req = self.live.pop(o.request_id)
-                    self.done[o.request_id] = list(req.all_token_ids)
-        self.step_no += 1
-
-    def run_until_idle(self, max_steps: int = 20_000) -> None:
-        while self.live and self.step_no < max_steps:
-            self.step()
-        assert not self.live, f"{len(self.live)} requests never finished"
-
-    def events(self) -> list[dict]:
-        self.sched.mars_events._drain()
-        with open(self.events_file) as f:
-            return [json.loads(line) for line in f if line.strip()]
+def Sim(policy: str, num_blocks: int, budget: int, tmp_path, **mars) -> OfflineEngine:
+    """An offline engine on a virtual clock, its events written to ``tmp_path``."""
+    mars["events_file"] = str(tmp_path / f"{policy}.jsonl")
+    return OfflineEngine(policy, num_blocks=num_blocks, max_num_seqs=32,
+                         max_num_batched_tokens=budget, mars=mars)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -125,15 +83,17 @@ def test_agent_workload_preempts_less_than_fcfs_for_the_same_work(tmp_path):
         for budget in (256, 1024):
             for policy, t in totals.items():
                 events = tmp_path / f"{policy}-{running}-{blocks}-{budget}.jsonl"
-                d = schedbench.Driver(policy, running, schedbench.Workload(),
-                                      num_blocks=blocks, max_num_batched_tokens=budget,
-                                      events_file=str(events))
+                eng = OfflineEngine(policy, num_blocks=blocks, max_num_seqs=running,
+                                    max_num_batched_tokens=budget,
+                                    mars={"events_file": str(events)})
+                d = AgentLoopDriver(eng, running, AgentLoop())
                 try:
+                    d.start()
                     for _ in range(1000):
                         d.step(record=False)
                     t["finished"] += d.finished
                 finally:
-                    d.close()  # flushes the event file
+                    eng.close()  # flushes the event file
                 for line in events.read_text().splitlines():
                     ev = json.loads(line)
                     if ev["kind"] in ("preempt", "chunk_shrink"):
@@ -154,7 +114,7 @@ def test_pins_go_before_any_preemption_and_nothing_leaks(tmp_path):
         sim.add(f"a{j}-r0", _prompt(200 + j, 200), 8, job_id=f"agent{j}", round=0,
                 next_tool="terminal.run")
     sim.run_until_idle()
-    assert sim.sched._mars_pins.pinned_blocks > 0, "the rounds were not pinned"
+    assert sim.pinned_blocks() > 0, "the rounds were not pinned"
     for j in range(8):
         sim.add(f"dec{j}", _prompt(j, 64), 300, job_id=f"d{j}", last_round=True)
     sim.run_until_idle()
@@ -178,7 +138,7 @@ def test_pins_go_before_any_preemption_and_nothing_leaks(tmp_path):
                 last_round=True, prev_tool="terminal.run")
     sim.run_until_idle()
     pool = sim.sched.kv_cache_manager.block_pool
-    assert sim.sched._mars_pins.pinned_blocks == 0
+    assert sim.pinned_blocks() == 0
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 

@@ -1,0 +1,201 @@
+"""The Priority-Aware Coordinator (paper §4.3): the order of waiting and running calls.
+
+vLLM serves ``running`` front to back, preempts from its back (FCFS policy:
+``self.running.pop()``) and admits from the front of ``waiting``. Keeping both lists sorted by
+the ordering policy's key therefore gives priority service *and* priority-aligned eviction
+with vLLM's own loop. This class owns that sorting and the two rules that make priority hold
+inside a step:
+
+* **Keys** are refreshed on the adapter's tick, and only for calls whose key the policy's
+  ``horizon`` says may have moved, so the cost per step stays small and flat in the batch.
+  Calls admitted in a step are appended by vLLM after the running loop; they are bisected into
+  the sorted list at the next step instead of re-sorting everything.
+* **Yielding**: vLLM serves running requests before waiting ones, so a running long prefill
+  would take the whole token budget from short calls that just arrived. A running prefill
+  ranked below admissible waiting calls gives up the tokens they need (down to the next block
+  boundary, so it always progresses). "Admissible" counts a waiting call's *uncached* work
+  (its expected prefix-cache hit is known from the lookup at arrival) and stops at the first
+  call that would not fit the free blocks, as vLLM's admission loop does.
+
+Mechanism only: what a key is comes from :class:`mars.policy.base.OrderingPolicy`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Callable
+
+from vllm.v1.request import Request
+
+from mars.policy.base import OrderingPolicy
+from mars.vllm_patches.calls import EngineCall
+
+
+class Coordinator:
+    def __init__(self, policy: OrderingPolicy, calls: dict[str, EngineCall], *,
+                 block_size: int, token_budget: int, max_running: int,
+                 free_blocks: Callable[[], int], prefill_yield: bool) -> None:
+        self.policy = policy
+        #: whether this policy orders at all (arrival order is vLLM's own: nothing to do)
+        self.active = policy.reorders
+        self.prefill_yield = prefill_yield and self.active
+        self._calls = calls
+        self._bs = block_size
+        self._budget = token_budget
+        self._max_running = max_running
+        self._free_blocks = free_blocks
+        self._sortkey = lambda r: calls[r.request_id].key
+        self._waiting_dirty = True
+        self._running_dirty = True
+        self._sorted_tail: Request | None = None
+        #: keys of the admissible waiting calls (sorted) and prefix sums of their token demand
+        self._wkeys: list[tuple] = []
+        self._wdemand: list[int] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_arrival(self, call: EngineCall, now: float) -> int | None:
+        """Key a new call; returns its level for the ``gpu_submit`` event."""
+        self._waiting_dirty = True
+        if not self.active:
+            return None
+        call.key = self.policy.key(call, now)
+        return self.policy.level_of(call.request_id)
+
+    def on_admitting(self, call: EngineCall, computed: int) -> None:
+        """vLLM is about to admit the call with ``computed`` tokens already in KV (prefix
+        hits, also after a preemption): those are not service, so counting starts there."""
+        call.seen = computed
+        call.pending = 0
+
+    def on_preempted(self, call: EngineCall) -> None:
+        # ``seen`` is kept: the cache hits found at re-admission are not service again
+        call.until = 0.0  # re-key at the next tick
+        self._waiting_dirty = True
+
+    def on_finished(self, call: EngineCall | None, request_id: str, now: float) -> None:
+        meta = call.meta if call is not None else None
+        self.policy.on_finished(request_id, meta.job_id if meta else None, now)
+        if meta is not None and meta.last_round and meta.job_id is not None:
+            self.policy.on_session_end(meta.job_id, now)
+
+    def level_of(self, request_id: str) -> int | None:
+        return self.policy.level_of(request_id)
+
+    # ------------------------------------------------------------------ keys
+    def refresh(self, running: list[Request], waiting, now: float) -> None:
+        """Charge the service seen since the last tick and re-key calls whose key may move."""
+        if not self.active:
+            return
+        policy = self.policy
+        key, served, horizon = policy.key, policy.served, policy.horizon
+        calls = self._calls
+        changed = False
+        for r in running:
+            c = calls[r.request_id]
+            done = r.num_computed_tokens
+            if done != c.seen:
+                if done > c.seen:
+                    c.pending += done - c.seen
+                c.seen = done
+                c.last_served = now
+                if c.pending < c.horizon and now < c.until:
+                    continue  # the policy said this much service cannot move the key
+            elif now < c.until:
+                continue
+            old = c.key
+            if c.pending:
+                c.key = served(c, c.pending, now)
+                c.pending = 0
+            else:
+                c.key = key(c, now)
+            c.horizon, c.until = horizon(c, now)
+            changed = changed or c.key != old
+        for r in waiting:
+            c = calls[r.request_id]
+            if now >= c.until:
+                old = c.key
+                c.key = key(c, now)
+                c.horizon, c.until = horizon(c, now)
+                if c.key != old:
+                    self._waiting_dirty = True
+        if changed:
+            self._running_dirty = True
+
+    # ------------------------------------------------------------------ order
+    def sort(self, running: list[Request], waiting) -> None:
+        if not self.active:
+            return
+        keyf = self._sortkey
+        if self._waiting_dirty:
+            if len(waiting) > 1:
+                items = sorted(waiting, key=keyf)
+                waiting.clear()
+                waiting.extend(items)
+            self._waiting_dirty = False
+        if running and (self._running_dirty or running[-1] is not self._sorted_tail):
+            if self._running_dirty or not self._insert_new(running, keyf):
+                running.sort(key=keyf)
+            self._running_dirty = False
+        self._sorted_tail = running[-1] if running else None
+        if self.prefill_yield:
+            self._admissible_prefix(running, waiting)
+
+    def _insert_new(self, running: list, keyf) -> bool:
+        """vLLM appends the calls it admitted after the running ones (and removes finished
+        calls in place): when the list was sorted last step, only that tail is out of order.
+        False when the old tail is gone (preempted): sort everything."""
+        tail = self._sorted_tail
+        if tail is None:
+            return False
+        i = len(running) - 1
+        while i >= 0 and running[i] is not tail:
+            i -= 1
+        if i < 0:
+            return False
+        new = running[i + 1:]
+        del running[i + 1:]
+        for r in new:
+            insort(running, r, key=keyf)
+        return True
+
+    def _admissible_prefix(self, running: list, waiting) -> None:
+        """Keys and cumulative token demand of the waiting calls vLLM could admit this step
+        (they fit in the free blocks and the sequence slots). Running prefills yield only to
+        these: yielding to a call that cannot be admitted anyway would waste the budget. A
+        call's demand is its uncached work, capped at the step budget (a long continuation
+        takes a budget-sized chunk, not its whole prompt, in one step)."""
+        wkeys: list[tuple] = []
+        demand: list[int] = []
+        if waiting:
+            budget = self._budget
+            slots = self._max_running - len(running)
+            free = self._free_blocks()
+            bs = self._bs
+            acc = blocks = 0
+            calls = self._calls
+            for r in waiting:
+                if slots <= 0 or acc >= budget:
+                    break
+                c = calls[r.request_id]
+                need = r.num_tokens - max(r.num_computed_tokens, c.cached_tokens)
+                blocks += -(-need // bs)
+                if blocks > free:
+                    break
+                acc += min(need, budget)
+                wkeys.append(c.key)
+                demand.append(acc)
+                slots -= 1
+        self._wkeys, self._wdemand = wkeys, demand
+
+    def yield_tokens(self, request: Request, computed: int, n: int) -> int:
+        """Tokens a running prefill keeps after giving admissible better calls theirs."""
+        if not self._wkeys:
+            return n
+        idx = bisect_left(self._wkeys, self._calls[request.request_id].key)
+        if idx == 0:
+            return n
+        keep = self._budget - self._wdemand[idx - 1]
+        bs = self._bs
+        floor = bs - (computed % bs)  # at least up to the next block boundary
+        granted = max(keep, floor)
+        return granted if granted < n else n

@@ -1,0 +1,279 @@
+"""The Opportunistic Co-Scheduler (paper §4.3): memory decisions inside the engine step.
+
+Four rules, each applied where vLLM asks how many tokens a request gets
+(``_reserve_prefill_lookahead``) or where a round ends (``_free_blocks``):
+
+* **Admission headroom** (:mod:`mars.policy.headroom`): a waiting or preempted call is
+  admitted only if the running calls keep room to grow; refusing makes vLLM stop admitting for
+  the step.
+* **Chunk shrinking**: a running prefill chunk that cannot get its KV blocks is cut to what the
+  free blocks hold, block-aligned, down to one block, before anything is preempted. New
+  admissions keep vLLM's full-prompt check (letting them shrink too caused thrashing on the CPU
+  testbed: 25 preemptions instead of 5-7).
+* **Pinned retention**: a finished round whose session goes on to a tool keeps its blocks for
+  the τ its retention policy grants; released when the next round is admitted (it then hits
+  them), when τ ends or the policy's re-evaluation says so, and when memory is needed.
+* **Reclaim before anything waits or is preempted**: pins go, least valuable first
+  (``RetentionPolicy.reclaim_rank``), when a running call needs blocks (before vLLM preempts
+  anyone) *and* when a waiting call cannot be admitted for lack of blocks (before the step
+  gives up on it). The waiting call's own session's pin is never reclaimed for it: it is that
+  call's cache hit, not a competitor. This is the **liveness rule**: with nothing running, a
+  waiting call is never blocked by pins, so no state with waiting > 0, running = 0 and
+  pinned > 0 outlasts one step, for every policy that pins.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.request import Request, RequestStatus
+
+from mars.policy.base import KvPressure, PinCandidate, RetentionPolicy
+from mars.policy.headroom import AdmissionHeadroom
+from mars.vllm_patches.calls import EngineCall
+from mars.vllm_patches.pins import PinnedRound, PinTable
+
+_PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+#: sessions whose last round-end time is remembered (for tool-gap observations)
+_MAX_ROUND_ENDS = 4096
+
+Emit = Callable[..., None]
+
+
+class CoScheduler:
+    def __init__(self, retention: RetentionPolicy, kv_cache_manager, *, block_size: int,
+                 total_blocks: int, lookahead_tokens: int, shrink: bool, pin: bool,
+                 headroom_tokens: int, emit: Emit, counters: dict[str, int]) -> None:
+        self.retention = retention
+        self._kvm = kv_cache_manager
+        self._pool = kv_cache_manager.block_pool
+        self._bs = block_size
+        self.total_blocks = total_blocks
+        self._lookahead = lookahead_tokens
+        self.shrink_on = shrink
+        self.pin_on = pin
+        headroom = AdmissionHeadroom(headroom_tokens)
+        self.headroom = headroom if headroom.tokens_per_running else None
+        self.pins = PinTable(self._pool)
+        self._emit = emit
+        self._counters = counters
+        #: blocks waiting calls still need (uncached work), refreshed on the tick
+        self.waiting_demand_blocks = 0
+        #: per session: when its last round ended and which tool followed (bounded)
+        self._round_end: OrderedDict[str, tuple[float, str | None]] = OrderedDict()
+        #: the request whose blocks the latest pin took (its gpu_end frees nothing)
+        self.last_pinned: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether any rule here can change what vLLM does."""
+        return self.shrink_on or self.pin_on or self.headroom is not None
+
+    # ------------------------------------------------------------------ state
+    def pressure(self, running: int, waiting: int) -> KvPressure:
+        return KvPressure(
+            total_blocks=self.total_blocks,
+            free_blocks=self._pool.get_num_free_blocks(),
+            pinned_blocks=self.pins.pinned_blocks,
+            waiting_demand_blocks=self.waiting_demand_blocks,
+            running=running,
+            waiting=waiting,
+        )
+
+    def refresh_demand(self, waiting, calls: dict[str, EngineCall]) -> None:
+        """Blocks the waiting calls still need: their tokens minus what is computed or
+        expected to hit the cache (a resumed round's own pinned context is not demand)."""
+        bs = self._bs
+        total = 0
+        for r in waiting:
+            c = calls.get(r.request_id)
+            hit = max(r.num_computed_tokens, c.cached_tokens if c is not None else 0)
+            total += -(-(r.num_tokens - hit) // bs)
+        self.waiting_demand_blocks = total
+
+    def blocks_of(self, request_id: str) -> int:
+        # the first (full-attention) group's block list, without building id lists
+        try:
+            mgr = self._kvm.coordinator.single_type_managers[0]
+            return len(mgr.req_to_blocks.get(request_id, ()))
+        except (AttributeError, IndexError):
+            return 0
+
+    # ------------------------------------------------------------------ step rules
+    def admission(self, request: Request, computed: int, n: int, running: int,
+                  session_id: str | None, now: float) -> int:
+        """A waiting or preempted call is about to be admitted with ``n`` new tokens and
+        ``computed`` tokens hit in the cache: reclaim pins it needs, then apply headroom."""
+        bs = self._bs
+        need = -(-(request.num_tokens - computed + self._lookahead) // bs)
+        free = self._pool.get_num_free_blocks()
+        headroom = self.headroom
+        reserve = headroom.reserve_blocks(running, bs) if (headroom and running) else 0
+        if running == 0:
+            # liveness: nothing runs, so nothing else will free memory; the cached part of
+            # the prompt may sit in free-queue blocks the allocation takes too, so ask for
+            # room for the whole sequence (over-asking frees pins a little early, harmless)
+            need = -(-(request.num_tokens + self._lookahead) // bs) + 1
+        if free < need + reserve and len(self.pins):
+            self.reclaim(need + reserve, now, exclude=session_id)
+            free = self._pool.get_num_free_blocks()
+        if headroom is not None and running and not headroom.allows(free, need, running, bs):
+            self._counters["held_back"] += 1
+            return 0  # vLLM stops admitting for this step
+        return n
+
+    def running_chunk(self, request: Request, computed: int, n: int, prefill: bool,
+                      session_id: str | None, round_: int | None, now: float) -> int:
+        """A running call asks for ``n`` tokens: shrink a prefill chunk to the free blocks,
+        else reclaim pins before vLLM falls back to preempting anyone."""
+        bs = self._bs
+        free = self._pool.get_num_free_blocks()
+        if free * bs >= n + bs:
+            return n  # fast path: plenty of room
+        held = self.blocks_of(request.request_id)
+        fit = (held + free) * bs - computed
+        if n <= fit:
+            return n
+        if prefill and self.shrink_on and fit > 0:
+            end = ((computed + fit) // bs) * bs
+            granted = end - computed if end > computed else fit
+            if granted >= min(bs, n) or granted == fit:
+                self._counters["shrunk"] += 1
+                self._emit("chunk_shrink", session_id=session_id,
+                           request_id=request.request_id, round=round_,
+                           requested_tokens=n, granted_tokens=granted)
+                return granted
+        if len(self.pins):
+            self.reclaim(-(-(computed + n) // bs) - held, now)
+        return n
+
+    # ------------------------------------------------------------------ pins
+    def reclaim(self, need_free: int, now: float, exclude: str | None = None,
+                running: int = 0, waiting: int = 0) -> None:
+        """Release pins, least valuable first, until ``need_free`` blocks are free."""
+        pool = self._pool
+        if pool.get_num_free_blocks() >= need_free:
+            return
+        kv = self.pressure(running, waiting)
+        rank = self.retention.reclaim_rank
+        order = sorted((p for p in self.pins.pins() if p.cand.session_id != exclude),
+                       key=lambda p: rank(p.cand, kv, now))
+        for pin in order:
+            if pool.get_num_free_blocks() >= need_free:
+                break
+            self.unpin(pin.cand.session_id, "pressure", now)
+
+    def judge(self, now: float, running: int, waiting: int) -> None:
+        """Re-evaluate every pin whose next round has not arrived yet."""
+        if not len(self.pins):
+            return
+        kv = self.pressure(running, waiting)
+        keep = self.retention.keep
+        for pin in self.pins.pins():
+            if pin.resumed_by is not None:
+                continue  # its next round is queued: keep until it is admitted (or reclaimed)
+            sid = pin.cand.session_id
+            if now - pin.pinned_at >= pin.tau_s:
+                self.unpin(sid, "expired", now)
+            elif not keep(pin.cand, kv, now):
+                self.unpin(sid, "pressure", now)
+
+    def unpin(self, session_id: str, reason: str, now: float) -> None:
+        pin = self.pins.release(session_id)
+        if pin is None:
+            return
+        self._counters["unpinned"] += 1
+        self.retention.forget(session_id)
+        self._emit("unpin", session_id=session_id, blocks=pin.num_blocks, reason=reason,
+                   held_s=max(now - pin.pinned_at, 0.0))
+
+    def release_all(self, reason: str, now: float) -> None:
+        for sid in self.pins.sessions():
+            self.unpin(sid, reason, now)
+
+    def try_pin(self, request: Request, call: EngineCall | None, running: int, waiting: int,
+                now: float, can_free: bool) -> bool:
+        """At the end of a round: ask the retention policy; pin if it grants τ > 0."""
+        meta = call.meta if call is not None else None
+        if (not self.pin_on or meta is None or meta.job_id is None or meta.last_round
+                or request.status not in _PINNABLE or not can_free):
+            return False
+        try:
+            mgr = self._kvm.coordinator.single_type_managers[0]
+            blocks = mgr.req_to_blocks.get(request.request_id, ())
+        except (AttributeError, IndexError):
+            return False
+        if not blocks:
+            return False
+        # charge only what this pin alone keeps: a block another request or pin references
+        # stays resident (and cached) without it
+        own = sum(1 for b in blocks if b.ref_cnt == 1)
+        cand = PinCandidate(session_id=meta.job_id, blocks=own,
+                            context_tokens=request.num_tokens, tool=meta.next_tool,
+                            started=now)
+        tau = self.retention.admit(cand, self.pressure(running, waiting), now)
+        if tau <= 0:
+            return False
+        held = self._kvm.pop_blocks_for_free(request)
+        old = self.pins.add(PinnedRound(cand=cand, blocks=held, tau_s=tau, pinned_at=now))
+        if old is not None:
+            self._emit("unpin", session_id=meta.job_id, blocks=old.num_blocks,
+                       reason="resumed", held_s=max(now - old.pinned_at, 0.0))
+        self._counters["pinned"] += 1
+        self.last_pinned = request.request_id
+        self._emit("pin", session_id=meta.job_id, blocks=len(held), tau_s=tau,
+                   tool=meta.next_tool)
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_arrival(self, call: EngineCall, now: float) -> None:
+        sid = call.session_id
+        if sid is None:
+            return
+        ended = self._round_end.pop(sid, None)
+        if ended is not None:
+            # the gap between two rounds is the tool phase (plus client overhead)
+            end_ts, tool = ended
+            self.retention.observe_tool(call.meta.prev_tool or tool, max(now - end_ts, 0))
+        pin = self.pins.get(sid)
+        if pin is not None:
+            pin.resumed_by = call.request_id
+
+    def on_admitted(self, call: EngineCall, now: float) -> None:
+        """A fresh call got its first schedule (``cached_tokens`` is its actual hit)."""
+        sid = call.session_id
+        if sid is None:
+            return
+        pin = self.pins.get(sid)
+        if pin is not None and pin.resumed_by == call.request_id:
+            self.unpin(sid, "resumed", now)
+        elif call.round:
+            # a later round that found no pin: its queueing delay is what an eviction costs
+            # (Continuum-Dy's T-bar)
+            self.retention.observe_queue_delay(max(now - call.arrival_time, 0.0))
+
+    def on_finished(self, call: EngineCall | None, request_id: str, now: float) -> None:
+        meta = call.meta if call is not None else None
+        if meta is None or meta.job_id is None:
+            return
+        sid = meta.job_id
+        pin = self.pins.get(sid)
+        if meta.last_round:
+            self._round_end.pop(sid, None)
+            if meta.round is not None:
+                self.retention.observe_session(meta.round + 1)
+            if pin is not None and pin.resumed_by != request_id:
+                # an earlier round of the same session still held: the session is over
+                self.unpin(sid, "finished", now)
+        else:
+            self._round_end[sid] = (now, meta.next_tool)
+            if len(self._round_end) > _MAX_ROUND_ENDS:
+                self._round_end.popitem(last=False)
+        pin = self.pins.get(sid)
+        if pin is not None and pin.resumed_by == request_id:
+            self.unpin(sid, "finished", now)  # its next round ended unadmitted
+
+    def counts(self) -> dict[str, Any]:
+        return {"pins": len(self.pins), "pinned_blocks": self.pins.pinned_blocks}
