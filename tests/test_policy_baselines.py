@@ -168,12 +168,15 @@ def test_continuum_fixed_ttl():
 # ====================================================================== Continuum-Dy
 
 
-def test_continuum_dy_cold_start_uses_default_ttl():
+def test_continuum_dy_cold_start_ends_at_100_samples():
+    import math
+
     pol = ContinuumDyRetention()
     assert pol.name == "continuum_dy"
     for _ in range(99):
         pol.observe_tool("t", 300.0)                  # even clearly long tools...
-    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 2.0   # ...< 100 samples
+    # ...< 100 samples: the exponential prior decides
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == pytest.approx(math.log(3.2))
     pol.observe_tool("t", 300.0)
     assert pol.admit(cand(), kv(free=9_000), now=0.0) == 0.0   # now the CDF speaks
 
@@ -182,20 +185,25 @@ def test_continuum_dy_argmax():
     pol = ContinuumDyRetention()
     for _ in range(100):
         pol.observe_tool("t", 3.0)
-    # value = T_bar * eta + reload = 0 * 1 + 3.2: every tau >= 3 costs more than it saves
+    # value = T_bar * eta + reload = 0 * 1 + 3.2; the only candidate is the observed 3 s:
+    # 1 * 3.2 - 3 = 0.2 > 0
     assert pol.value_s(cand()) == pytest.approx(3.2)
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 3.0
+    for _ in range(100):
+        pol.observe_tool("t", 6.0)
+    # half the durations are 6 s: tau=3 -> 0.5 * 3.2 - 3 < 0, tau=6 -> 3.2 - 6 < 0
     assert pol.admit(cand(), kv(free=9_000), now=0.0) == 0.0
     # queueing after eviction makes a warm resume worth more: 5 * 1 + 3.2 = 8.2
     pol.observe_queue_delay(4.0)
     pol.observe_queue_delay(6.0)
     assert pol.value_s(cand()) == pytest.approx(8.2)
-    # scores: tau=4 -> 8.2 - 4 = 4.2; tau=8 -> 0.2; below 3 s -> -tau
-    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 4.0
+    # scores: tau=3 -> 0.5 * 8.2 - 3 = 1.1; tau=6 -> 8.2 - 6 = 2.2
+    assert pol.admit(cand(), kv(free=9_000), now=0.0) == 6.0
     # decided once: keep is pure expiry
     c = cand(started=0.0)
     pol.admit(c, kv(free=9_000), now=0.0)
-    assert pol.keep(c, kv(free=0, waiting=9_000), now=3.9) is True
-    assert pol.keep(c, kv(free=9_000), now=4.0) is False
+    assert pol.keep(c, kv(free=0, waiting=9_000), now=5.9) is True
+    assert pol.keep(c, kv(free=9_000), now=6.0) is False
 
 
 def test_continuum_dy_eta_from_finished_sessions():
@@ -220,18 +228,64 @@ def test_continuum_dy_eta_from_finished_sessions():
 
 
 def test_continuum_dy_tool_specific_vs_all_tool_fallback():
-    pol = ContinuumDyRetention(ContinuumDyConfig(tau_grid_s=(0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)))
+    pol = ContinuumDyRetention()
     for _ in range(100):
         pol.observe_tool("a", 0.4)
     for _ in range(50):
         pol.observe_tool("b", 20.0)
-    # "a" has its own 100 samples: P(0.5) = 1 -> 3.2 - 0.5
-    assert pol.admit(cand("a"), kv(free=9_000), now=0.0) == 0.5
-    # "b" has only 50: the all-tool CDF (100 x 0.4, 50 x 20) gives P(0.5) = 2/3 -> pin 0.5
+    # candidates are the observed durations: "a" has its own 100 -> P(0.4) = 1 -> 3.2 - 0.4
+    assert pol.admit(cand("a"), kv(free=9_000), now=0.0) == 0.4
+    assert pol.decision_rule() == "dynamic"
+    # "b" has only 50: the all-tool CDF (100 x 0.4, 50 x 20) gives P(0.4) = 2/3 -> pin 0.4
     assert pol.durations.source("b", 100) == "all"
-    assert pol.admit(cand("b", session="s2"), kv(free=9_000), now=0.0) == 0.5
+    assert pol.admit(cand("b", session="s2"), kv(free=9_000), now=0.0) == 0.4
     for _ in range(50):
         pol.observe_tool("b", 20.0)
-    # with 100 of its own (all 20 s) nothing below 20 s can pay off, and 32 s costs > 3.2
+    # with 100 of its own (all 20 s) nothing pays off: holding 20 s costs more than 3.2 s
     assert pol.durations.source("b", 100) == "tool"
     assert pol.admit(cand("b", session="s3"), kv(free=9_000), now=0.0) == 0.0
+    assert pol.decisions == {"cold_start": 0, "dynamic": 3}
+
+
+def test_continuum_dy_cold_start_decides_with_an_exponential_prior():
+    """Before 100 tool durations the rule still decides (Exp(1 s) durations, eta = 1,
+    T_bar = 0): tau* = ln(V / 1 s) -- not a fixed TTL, so it differs from continuum."""
+    import math
+
+    pol = ContinuumDyRetention()
+    c = cand()  # reload 3.2 s (32K tokens at 10K tok/s)
+    tau = pol.admit(c, kv(free=9_000), now=0.0)
+    assert tau == pytest.approx(math.log(3.2))
+    assert pol.decision_rule() == "cold_start"
+    small = PinCandidate(session_id="s9", blocks=1, context_tokens=5_000, tool="t",
+                         started=0.0)  # reload 0.5 s < mean 1 s: never worth pinning
+    assert pol.admit(small, kv(free=9_000), now=0.0) == 0.0
+    assert pol.decisions == {"cold_start": 2, "dynamic": 0}
+
+
+def test_program_fcfs_orders_by_the_programs_first_arrival():
+    from mars.policy.baselines import ProgramFCFS
+
+    pol = ProgramFCFS()
+    assert isinstance(pol, OrderingPolicy)
+    a0 = call("a-r0", "a", arrival=0.0, prompt=100)
+    b0 = call("b-r0", "b", arrival=1.0, prompt=100)
+    a1 = call("a-r1", "a", arrival=5.0, prompt=100)   # a's next round, after b started
+    lone = call("x", None, arrival=2.0, prompt=100)
+    keys = {c.request_id: pol.key(c, 6.0) for c in (a0, b0, a1, lone)}
+    assert sorted(keys, key=keys.get) == ["a-r0", "a-r1", "b-r0", "x"]
+    assert pol.horizon(a1, 6.0)[0] == float("inf")
+    pol.on_session_end("a", 7.0)
+    assert pol.num_programs == 1
+    a2 = call("a-r2", "a", arrival=8.0, prompt=100)   # a new program under the same id
+    assert pol.key(a2, 8.0) > pol.key(b0, 8.0)
+
+
+def test_autellix_forgets_a_program_when_its_session_ends():
+    pol = AutellixPLAS()
+    c = call("s-r0", "s", arrival=0.0, prompt=100)
+    pol.on_scheduled(c, 500, 0.1)
+    pol.on_finished("s-r0", "s", 0.2)
+    assert pol.num_programs == 1 and pol.program_service("s") == 500
+    pol.on_session_end("s", 0.3)
+    assert pol.num_programs == 0

@@ -148,7 +148,9 @@ def test_served_is_on_scheduled_then_key():
     assert fused.served(c, 0, 20.0) == split.key(c, 20.0)  # nothing served: plain key
 
 
-def test_session_continuity_round_judged_by_own_size():
+def test_session_service_demotes_later_rounds_within_the_window():
+    """Service is charged to the session: a session that just consumed a lot sinks below one
+    that has not, until its service ages out of the window; a session-less call is its own."""
     pol = WindowedMLFQ(MLFQConfig(promote_after_s=0))
     r1 = call("s1-r1", 100_000, session="s1")
     pol.on_scheduled(r1, 400_000, now=0.0)               # heavy first round
@@ -157,21 +159,48 @@ def test_session_continuity_round_judged_by_own_size():
     assert pol.level_of("s1-r1") is None
     r2 = call("s1-r2", 100_000, session="s1", arrival=3.0)
     other = call("s2-r1", 100_000, session="s2", arrival=3.0)
-    assert pol.level(r2, 3.0) == pol.level(other, 3.0) == pol.base_level(100_000) == 7
+    assert pol.level(other, 3.0) == pol.base_level(100_000) == 7
+    assert pol.level(r2, 3.0) == 9                       # s1's recent service counts
     small = call("s1-r3", 800, session="s1", arrival=4.0)
-    assert pol.level(small, 4.0) == 0
+    assert pol.level(small, 4.0) > pol.level(call("x", 800), 4.0) == 0
+    window = pol.config.window_s + pol.config.window_s / pol.config.window_buckets
+    assert pol.level(r2, window + 0.1) == 7              # aged out: judged afresh
+    pol.on_scheduled(small, 50_000, window + 0.2)
+    assert pol.level(small, window + 0.3) > 0
+    pol.on_session_end("s1", window + 0.4)
+    assert pol.level(small, window + 0.5) == 0
+
+
+def test_many_short_rounds_of_one_session_are_demoted():
+    """What per-call accounting never did: an agent call (a few hundred tokens) stays far
+    below its level's quota, but a session returning round after round adds up."""
+    pol = WindowedMLFQ(MLFQConfig(promote_after_s=0))
+    for k in range(12):
+        c = call(f"busy-r{k}", 700, session="busy", arrival=float(k))
+        pol.on_scheduled(c, 900, now=float(k))
+        pol.on_finished(c.request_id, "busy", now=float(k) + 0.5)
+    nxt = call("busy-r12", 700, session="busy", arrival=12.0)
+    fresh = call("calm-r0", 700, session="calm", arrival=12.0)
+    assert pol.level(fresh, 12.0) == 0 < pol.level(nxt, 12.0)
+    scoped = WindowedMLFQ(MLFQConfig(promote_after_s=0, service_scope="call"))
+    for k in range(12):
+        c = call(f"busy-r{k}", 700, session="busy", arrival=float(k))
+        scoped.on_scheduled(c, 900, now=float(k))
+        scoped.on_finished(c.request_id, "busy", now=float(k) + 0.5)
+    assert scoped.level(nxt, 12.0) == 0
 
 
 def test_cached_tokens_are_not_service():
     pol = WindowedMLFQ(MLFQConfig(promote_after_s=0))
     # 40K of a 41K prompt hit the prefix cache: the engine schedules (and we charge) 1K
-    c = CallRecord("r", "s", 41_000, 41_000, 40_000, 0, 64, 0.0, 0.0, 1282, True)
+    c = CallRecord("r", None, 41_000, 41_000, 40_000, 0, 64, 0.0, 0.0, 1282, True)
     pol.on_scheduled(c, 1_000, now=0.0)
     assert pol.windowed_service("r", 0.0) == 1_000
-    assert pol.level(c, 0.0) == pol.base_level(41_000)
-    # opt-in: judge the base level by remaining (uncached) work
-    disc = WindowedMLFQ(MLFQConfig(promote_after_s=0, discount_cached=True))
-    assert disc.level(c, 0.0) == 0
+    # the base level is judged by remaining (uncached) work: 1K tokens
+    assert pol.level(c, 0.0) == 0
+    # opt-out: the prompt length
+    full = WindowedMLFQ(MLFQConfig(promote_after_s=0, discount_cached=False))
+    assert full.level(c, 0.0) == pol.base_level(41_000)
 
 
 def _simulate_flood(cfg: MLFQConfig, *, duration_s: float = 40.0, dt: float = 0.05,

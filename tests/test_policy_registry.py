@@ -11,6 +11,7 @@ from mars.policy.baselines import (
     ContinuumDyRetention,
     ContinuumRetention,
     InferceptRetention,
+    ProgramFCFS,
 )
 from mars.policy.mlfq import WindowedMLFQ
 from mars.policy.registry import POLICY_NAMES, PolicySpec, get_policy
@@ -25,8 +26,8 @@ EXPECTED = {
     "mars_no_cosched": (WindowedMLFQ, NoRetention, False, False, True),
     "autellix": (AutellixPLAS, NoRetention, False, False, False),
     "infercept": (FcfsOrdering, InferceptRetention, False, True, False),
-    "continuum": (FcfsOrdering, ContinuumRetention, False, True, False),
-    "continuum_dy": (FcfsOrdering, ContinuumDyRetention, False, True, False),
+    "continuum": (ProgramFCFS, ContinuumRetention, False, True, False),
+    "continuum_dy": (ProgramFCFS, ContinuumDyRetention, False, True, False),
 }
 
 
@@ -62,3 +63,13 @@ def test_unknown_policy_lists_valid_names():
     assert "sjf" in msg
     for name in POLICY_NAMES:
         assert name in msg
+
+
+def test_only_mars_coordinator_yields_and_bounds_prefill():
+    """Prefill yielding and bounded interference are MARS's coordinator: no baseline paper
+    describes them, so no baseline gets them (Autellix orders, but does not yield)."""
+    for name in POLICY_NAMES:
+        spec = get_policy(name)
+        mine = name in ("mars", "mars_no_ctrl", "mars_no_cosched")
+        assert spec.prefill_yield == mine, name
+        assert (spec.prefill_interference > 0) == mine, name

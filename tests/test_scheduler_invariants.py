@@ -53,9 +53,11 @@ def test_pins_never_block_an_idle_engine():
     call; without reclaim on the waiting path nothing ran and nothing was ever freed."""
     for policy in PINNING:
         # each rule configured so that it pins here (mars: a cheap price, the paper-scale
-        # regime where recompute time dwarfs the price; InferCept: short expected tools)
+        # regime where recompute time dwarfs the price; InferCept: short expected tools;
+        # Continuum-Dy: a queueing delay after eviction worth pinning for)
         retention = {"price_scale": 1e-6} if policy.startswith("mars") else \
-            {"prior_mean_s": 0.001} if policy == "infercept" else None
+            {"prior_mean_s": 0.001} if policy == "infercept" else \
+            {"default_queue_delay_s": 10.0} if policy == "continuum_dy" else None
         eng = _engine(policy, num_blocks=65, max_num_batched_tokens=256,
                       mars={"policy_config": {"retention": retention}} if retention else {})
         try:

@@ -157,6 +157,10 @@ class RetentionPolicy(ABC):
     def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool:
         """Whether a pin granted earlier should still be held."""
 
+    def decision_rule(self) -> str | None:
+        """Which of its rules made the latest ``admit`` decision (for the ``pin`` event)."""
+        return None
+
     def reclaim_rank(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         """Order in which pins go when memory is needed (lowest first); default: oldest."""
         return cand.started

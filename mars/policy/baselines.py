@@ -11,6 +11,7 @@ docstring says what was chosen.
   preserve-vs-discard at each tool boundary.
 * :class:`ContinuumRetention` -- Continuum (Li et al., arXiv 2511.02230), fixed TTL.
 * :class:`ContinuumDyRetention` -- Continuum's dynamic TTL heuristic.
+* :class:`ProgramFCFS` -- Continuum's program-level first-come-first-serve order.
 """
 
 from __future__ import annotations
@@ -178,6 +179,58 @@ class AutellixPLAS(OrderingPolicy):
         return len(self._programs)
 
 
+# ====================================================================== Continuum's order
+
+
+class ProgramFCFS(OrderingPolicy):
+    """Continuum's program-level first-come-first-serve (``--policy continuum`` and
+    ``continuum_dy``): calls are ordered by the arrival of their *program's* first call (the
+    agent session), then by their own arrival, so a returning multi-turn program keeps its
+    place instead of queueing behind programs that started after it. A call without a session
+    is its own program. The adapter serves the order front to back and preempts from the back
+    (the newest program first), as vLLM's FCFS does with request arrival.
+
+    Choice where the paper is open: a program's first arrival is remembered until its session
+    ends (``last_round``), or for ``forget_after_s`` after its latest call (sessions that never
+    say they ended must not grow the table for ever).
+    """
+
+    name = "program_fcfs"
+
+    def __init__(self, forget_after_s: float = 3600.0) -> None:
+        self.forget_after_s = forget_after_s
+        #: session -> (first arrival, latest arrival)
+        self._programs: dict[str, list[float]] = {}
+
+    def key(self, call: CallView, now: float) -> tuple:
+        sid = call.session_id
+        if sid is None:
+            return (call.arrival_time, call.arrival_time)
+        prog = self._programs.get(sid)
+        if prog is None:
+            prog = self._programs[sid] = [call.arrival_time, call.arrival_time]
+            if len(self._programs) > 4096:
+                self._prune(now)
+        elif call.arrival_time > prog[1]:
+            prog[1] = call.arrival_time
+        return (prog[0], call.arrival_time)
+
+    def horizon(self, call: CallView, now: float) -> tuple[float, float]:
+        return math.inf, math.inf  # a call's key never changes
+
+    def on_session_end(self, session_id: str, now: float) -> None:
+        self._programs.pop(session_id, None)
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._programs)
+
+    def _prune(self, now: float) -> None:
+        cutoff = now - self.forget_after_s
+        for sid in [s for s, (_, last) in self._programs.items() if last < cutoff]:
+            del self._programs[sid]
+
+
 # ====================================================================== one-shot retention
 
 
@@ -320,10 +373,9 @@ class ContinuumRetention(_OneShotRetention):
 
 @dataclass(frozen=True, slots=True)
 class ContinuumDyConfig:
-    #: S, the candidate TTLs besides 0
-    tau_grid_s: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-    #: TTL while fewer than min_samples tool durations (all tools) have been seen
-    default_ttl_s: float = 2.0
+    #: mean of the exponential tool-duration prior while fewer than min_samples durations
+    #: (all tools) have been seen (the cold start)
+    cold_mean_s: float = 1.0
     #: samples needed to trust a CDF (per tool; all tools for leaving the cold start)
     min_samples: int = 100
     max_samples: int = 512
@@ -339,17 +391,28 @@ class ContinuumDyConfig:
 class ContinuumDyRetention(_OneShotRetention):
     """Continuum's dynamic TTL (``--policy continuum_dy``), decided once at admit::
 
-        tau* = argmax_{tau in {0} U S}  P(D_f <= tau) * (T_bar * eta + reload(r)) - tau
+        tau* = argmax_{tau in {0} U C}  P(D_f <= tau) * (T_bar * eta + reload(r)) - tau
 
     ``P`` is the empirical CDF of tool ``f``'s durations (the all-tool CDF while ``f`` has
-    fewer than ``min_samples``); ``T_bar`` the mean queueing delay a call suffered after its
-    KV was evicted (``observe_queue_delay``); ``reload(r)`` the recompute time of the context
-    (``context_tokens / prefill rate``); ``eta = -corr(turns done, turns left)`` over the
-    (done, left) pairs ``(d, T-d), d = 1..T`` of every finished session of ``T`` turns
-    (``observe_session``), clamped to [0, 1] (a positive correlation would mean "more done,
-    more left", which gives no reason to pin). With fewer than ``min_samples`` durations in
-    all, the TTL is ``default_ttl_s``. The cost term is ``tau`` itself, in seconds, as in the
-    published heuristic; ties go to the shorter TTL.
+    fewer than ``min_samples``) and ``C`` the distinct observed durations of that CDF (where
+    the empirical CDF steps; any other tau scores less than the sample below it); ``T_bar`` the
+    mean queueing delay a call suffered after its KV was evicted (``observe_queue_delay``);
+    ``reload(r)`` the recompute time of the context (``context_tokens / prefill rate``);
+    ``eta = -corr(turns done, turns left)`` over the (done, left) pairs ``(d, T-d), d = 1..T``
+    of every finished session of ``T`` turns (``observe_session``), clamped to [0, 1] (a
+    positive correlation would mean "more done, more left", which gives no reason to pin). The
+    cost term is ``tau`` itself, in seconds, as in the published heuristic; ties go to the
+    shorter TTL.
+
+    **Cold start** (fewer than ``min_samples`` tool durations over all tools): the rule still
+    decides, with tool durations assumed exponential with mean ``cold_mean_s`` (1 s), ``eta``
+    = 1 and ``T_bar`` starting at 0. For an exponential the argmax has a closed form:
+    ``tau* = m ln(V / m)`` if the value ``V`` exceeds the mean ``m``, else 0. (Stated after the
+    paper's revision as reconstructed by a third party -- 100 samples, Exp(1 s), eta = 1; the
+    authors' preview code has no estimator at all. Earlier we used a fixed 2 s TTL here, which
+    made continuum_dy identical to continuum in any run with fewer than 100 tool calls.)
+    Which rule decided each pin is on its ``pin`` event (``rule``: ``cold_start`` /
+    ``dynamic``) and counted in :attr:`decisions`.
     """
 
     name = "continuum_dy"
@@ -363,6 +426,9 @@ class ContinuumDyRetention(_OneShotRetention):
         # running sums for the Pearson correlation of (done, left)
         self._n = 0
         self._sd = self._sl = self._sdd = self._sll = self._sdl = 0.0
+        #: how many admit decisions each rule made (reported per run)
+        self.decisions = {"cold_start": 0, "dynamic": 0}
+        self._last_rule: str | None = None
 
     # ------------------------------------------------------------------ feeding
     def observe_queue_delay(self, seconds: float) -> None:
@@ -405,12 +471,28 @@ class ContinuumDyRetention(_OneShotRetention):
 
     def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         cfg = self.config
-        if self.durations.count(None) < cfg.min_samples:
-            return cfg.default_ttl_s
         value = self.value_s(cand)
+        if self.durations.count(None) < cfg.min_samples:
+            self._last_rule = "cold_start"
+            self.decisions["cold_start"] += 1
+            m = cfg.cold_mean_s
+            return m * math.log(value / m) if value > m else 0.0
+        self._last_rule = "dynamic"
+        self.decisions["dynamic"] += 1
+        src = self.durations.source(cand.tool, cfg.min_samples)
+        samples = self.durations.sorted_samples(cand.tool if src == "tool" else None)
+        n = len(samples)
         best_tau, best = 0.0, 0.0  # tau = 0 scores exactly 0
-        for tau in sorted(cfg.tau_grid_s):
-            score = self.durations.prob_within(cand.tool, tau, cfg.min_samples) * value - tau
+        i = 0
+        while i < n:
+            tau = samples[i]
+            while i + 1 < n and samples[i + 1] == tau:
+                i += 1
+            score = (i + 1) / n * value - tau  # P(D <= tau) at the step's top
             if score > best:
                 best_tau, best = tau, score
+            i += 1
         return best_tau
+
+    def decision_rule(self) -> str | None:
+        return self._last_rule

@@ -87,6 +87,8 @@ class Pin(_Base):
     blocks: int = Field(ge=0)
     tau_s: float = Field(ge=0)
     tool: str | None = None
+    #: which of the retention policy's rules decided (e.g. Continuum-Dy's cold start)
+    rule: str | None = None
 
 
 class Unpin(_Base):

@@ -17,15 +17,23 @@ as often as it likes. Level 0 is the highest priority.
 Definitions (what ``docs/policies.md`` states; tests pin them down):
 
 ``base(p) = min(L-1, ceil(log2(p / base_tokens)))`` for ``p > base_tokens`` else 0, where ``p``
-is the prompt length (optionally minus prefix-cache hits, see ``discount_cached``). Level ``b``
+is the prefill work the call still needs: its prompt minus its expected prefix-cache hit
+(``discount_cached``, on by default). Level ``b``
 therefore holds prompts in ``(base_tokens * 2**(b-1), base_tokens * 2**b]``.
 
 ``q(l) = quota_tokens * quota_growth**l`` is the quota of level ``l``. A call with base ``b``
 and windowed service ``S`` is demoted ``d`` levels where ``d`` is the number of consecutive
 quotas ``q(b), q(b+1), ...`` whose running sum is ``<= S``. ``natural = min(L-1, b + d)``.
 
-*Windowed* service ``S(now)``: the tokens the call was scheduled (``on_scheduled``'s
-``tokens``) during the last ``window_s`` seconds. Service is recorded in ``window_buckets``
+*Windowed* service ``S(now)``: the tokens computed for the call's **session** (every call
+with its ``session_id``; a session-less call is its own) during the last ``window_s`` seconds
+(``on_scheduled``'s ``tokens``). Per session, because that is what the paper's grammar is
+about: "calls that have consumed more GPU service are gradually pushed downward. This prevents
+long-running sessions from repeatedly dominating decode opportunities simply because they
+return often". An agent call computes a few hundred output tokens and a tool result, far
+below its own level's quota, so per-call accounting never demoted anything; a session that
+comes back round after round accumulates service across them and sinks below sessions that
+have used less in the window (``service_scope="call"`` restores per-call accounting). Service is recorded in ``window_buckets``
 buckets of width ``w = window_s / window_buckets`` (bucket ``k`` holds service at times in
 ``[k*w, (k+1)*w)``); a bucket leaves the window once its end is ``<= now - window_s``. So a
 token counts for at least ``window_s`` and less than ``window_s + w`` seconds after it was
@@ -60,9 +68,12 @@ how long a call's key cannot change, so a running call is re-keyed only when it 
 crossed a quota, a bucket expired or a promotion period passed (:meth:`served` charges the
 service accumulated meanwhile).
 
-Session continuity: all state is per request id. A later round of a session is a new call,
-judged by its own prompt and its own service, never by what earlier rounds consumed (contrast
-Autellix's program-level attained service in :mod:`mars.policy.baselines`).
+Session continuity: a later round of a session is judged by its own remaining work (base) and
+its session's service in the *window* -- unlike Autellix's program-level attained service
+(:mod:`mars.policy.baselines`), consumption older than the window is forgotten, so a session
+that paused for a tool longer than the window is judged afresh. The horizon is a per-call
+promise; a second call of the same session running at the same time may move the shared
+service earlier, which the call then notices at its time horizon (at most one bucket later).
 
 Cached tokens: ``on_scheduled``'s ``tokens`` must be the tokens the engine computed this step
 (vLLM's ``num_scheduled_tokens``), which excludes prefix-cache hits, so a call is never
@@ -99,9 +110,14 @@ class MLFQConfig:
     window_buckets: int = 16
     #: a call not served for this long rises one level per such period (<= 0 or inf: never)
     promote_after_s: float = 4.0
-    #: base level from ``prompt_tokens - cached_tokens`` (remaining prefill work) instead of
-    #: the prompt length (the paper's "initial KV footprint"); off by default
-    discount_cached: bool = False
+    #: base level from ``prompt_tokens - cached_tokens``: the prefill work the call still
+    #: needs (its expected prefix-cache hit is known from the lookup at arrival), so a long
+    #: session's continuation -- mostly cached, little new work -- is not ranked as a fresh
+    #: repository-scale prompt. False: the prompt length.
+    discount_cached: bool = True
+    #: whose service demotes a call: ``"session"`` (all calls of its agent session in the
+    #: window; session-less calls are their own) or ``"call"`` (the call alone)
+    service_scope: str = "session"
 
     def __post_init__(self) -> None:
         if self.num_levels < 1:
@@ -112,6 +128,8 @@ class MLFQConfig:
             raise ValueError("quota_growth must be >= 1")
         if self.window_s <= 0 or self.window_buckets < 1:
             raise ValueError("window_s must be > 0 and window_buckets >= 1")
+        if self.service_scope not in ("session", "call"):
+            raise ValueError("service_scope must be 'session' or 'call'")
 
 
 class _WindowedService:
@@ -154,6 +172,7 @@ class WindowedMLFQ(OrderingPolicy):
         p = cfg.promote_after_s
         self._promote = p if (p > 0 and math.isfinite(p)) else 0.0
         self._discount_cached = cfg.discount_cached
+        self._per_session = cfg.service_scope == "session"
         quotas = [cfg.quota_tokens * cfg.quota_growth**lvl for lvl in range(cfg.num_levels)]
         #: _thresholds[b][k]: service that demotes a base-b call k+1 levels
         self._thresholds: list[tuple[float, ...]] = []
@@ -191,8 +210,9 @@ class WindowedMLFQ(OrderingPolicy):
         cfg = self.config
         return cfg.quota_tokens * cfg.quota_growth**level
 
-    def windowed_service(self, request_id: str, now: float) -> int:
-        svc = self._service.get(request_id)
+    def windowed_service(self, owner: str, now: float) -> int:
+        """Windowed service of a session (per-session scope) or of a session-less call."""
+        svc = self._service.get(owner)
         if svc is None:
             return 0
         return svc.expire(self._oldest_live_bucket(now))
@@ -211,7 +231,7 @@ class WindowedMLFQ(OrderingPolicy):
         lvl = self._base_of(call)
         L1 = self._L1
         rid = call.request_id
-        svc = self._service.get(rid)
+        svc = self._service.get(self._owner(call))
         if svc is not None:
             s = svc.total
             if s:
@@ -237,9 +257,10 @@ class WindowedMLFQ(OrderingPolicy):
     def on_scheduled(self, call: CallView, tokens: int, now: float) -> None:
         if tokens <= 0:
             return
-        svc = self._service.get(call.request_id)
+        owner = self._owner(call)
+        svc = self._service.get(owner)
         if svc is None:
-            svc = self._service[call.request_id] = _WindowedService()
+            svc = self._service[owner] = _WindowedService()
         svc.add(int(now // self._bucket_w), tokens)
 
     def horizon(self, call: CallView, now: float) -> tuple[float, float]:
@@ -252,7 +273,7 @@ class WindowedMLFQ(OrderingPolicy):
         passes. The time horizon is also capped at one bucket width, so deferred service lands
         at most one bucket late (and therefore leaves the window at most that much later).
         """
-        svc = self._service.get(call.request_id)
+        svc = self._service.get(self._owner(call))
         s = svc.total if svc is not None else 0
         row = self._thresholds[self._base_of(call)]
         k = bisect_right(row, s)
@@ -267,10 +288,26 @@ class WindowedMLFQ(OrderingPolicy):
         return tokens, until
 
     def on_finished(self, request_id: str, session_id: str | None, now: float) -> None:
-        self._service.pop(request_id, None)
         self._levels.pop(request_id, None)
+        if not self._per_session or session_id is None:
+            self._service.pop(request_id, None)
+            return
+        # a session's service outlives its call for the window; drop it once it has aged out
+        # (sessions that never say last_round must not grow the table for ever)
+        svc = self._service.get(session_id)
+        if svc is not None and svc.expire(self._oldest_live_bucket(now)) == 0:
+            del self._service[session_id]
+
+    def on_session_end(self, session_id: str, now: float) -> None:
+        if self._per_session:
+            self._service.pop(session_id, None)
 
     # ------------------------------------------------------------------ internals
+    def _owner(self, call: CallView) -> str:
+        """Whose service a call is judged by: its session's (per-session scope), else its own."""
+        sid = call.session_id
+        return sid if (sid is not None and self._per_session) else call.request_id
+
     def _base_of(self, call: CallView) -> int:
         return self.base_level(call.prompt_tokens - call.cached_tokens
                                if self._discount_cached else call.prompt_tokens)

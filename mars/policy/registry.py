@@ -20,6 +20,7 @@ from mars.policy.baselines import (
     ContinuumDyRetention,
     ContinuumRetention,
     InferceptRetention,
+    ProgramFCFS,
 )
 from mars.policy.mlfq import WindowedMLFQ
 from mars.policy.retention import CostBenefitRetention
@@ -42,6 +43,9 @@ class PolicySpec:
     #: a running prefill ranked below admissible waiting calls leaves them its tokens (part
     #: of MARS's Priority-Aware Coordinator; no baseline paper describes it)
     prefill_yield: bool = False
+    #: while higher-priority calls decode, a lower-priority running prefill adds at most this
+    #: many decode steps' worth of time to a step (coordinator; 0 = unbounded, vLLM's rule)
+    prefill_interference: float = 0.0
 
     def build(self) -> tuple[OrderingPolicy, RetentionPolicy]:
         return self.ordering(), self.retention()
@@ -54,23 +58,23 @@ _SPECS: dict[str, PolicySpec] = {
                    chunk_shrink=False, pin=False, sidecar_admission=False),
         PolicySpec("mars", WindowedMLFQ, CostBenefitRetention,
                    chunk_shrink=True, pin=True, sidecar_admission=True,
-                   admit_headroom_tokens=8, prefill_yield=True),
+                   admit_headroom_tokens=8, prefill_yield=True, prefill_interference=1.0),
         PolicySpec("mars_no_coord", FcfsOrdering, CostBenefitRetention,
                    chunk_shrink=True, pin=True, sidecar_admission=True,
                    admit_headroom_tokens=8),
         PolicySpec("mars_no_ctrl", WindowedMLFQ, CostBenefitRetention,
                    chunk_shrink=True, pin=True, sidecar_admission=False,
-                   admit_headroom_tokens=8, prefill_yield=True),
+                   admit_headroom_tokens=8, prefill_yield=True, prefill_interference=1.0),
         PolicySpec("mars_no_cosched", WindowedMLFQ, NoRetention,
                    chunk_shrink=False, pin=False, sidecar_admission=True,
-                   prefill_yield=True),
+                   prefill_yield=True, prefill_interference=1.0),
         PolicySpec("autellix", AutellixPLAS, NoRetention,
                    chunk_shrink=False, pin=False, sidecar_admission=False),
         PolicySpec("infercept", FcfsOrdering, InferceptRetention,
                    chunk_shrink=False, pin=True, sidecar_admission=False),
-        PolicySpec("continuum", FcfsOrdering, ContinuumRetention,
+        PolicySpec("continuum", ProgramFCFS, ContinuumRetention,
                    chunk_shrink=False, pin=True, sidecar_admission=False),
-        PolicySpec("continuum_dy", FcfsOrdering, ContinuumDyRetention,
+        PolicySpec("continuum_dy", ProgramFCFS, ContinuumDyRetention,
                    chunk_shrink=False, pin=True, sidecar_admission=False),
     )
 }

@@ -152,6 +152,10 @@ class ToolDurationModel:
     def _sorted_samples(self, key: str) -> list[float]:
         return self._sorted[key]
 
+    def sorted_samples(self, tool: str | None) -> list[float]:
+        """The durations held for ``tool`` (``None``: all tools), ascending (do not modify)."""
+        return self._sorted.get(tool if tool else ALL_TOOLS, [])
+
 
 class PrefillRate:
     """EMA estimate of prefill throughput, used to price recomputation of a context.

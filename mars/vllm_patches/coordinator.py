@@ -16,6 +16,16 @@ inside a step:
   boundary, so it always progresses). "Admissible" counts a waiting call's *uncached* work
   (its expected prefix-cache hit is known from the lookup at arrival) and stops at the first
   call that would not fit the free blocks, as vLLM's admission loop does.
+* **Bounded interference**: once short calls are admitted and decoding, a long prefill
+  ranked below them would still take a full chunk every step, and their inter-token latency
+  would be that of a big prefill step. A running prefill ranked below some running decode gets
+  at most ``prefill_interference`` decode steps' worth of prefill per step when it ranks at
+  least two levels (a 4x larger size class) below the best running decode:
+  ``cap = prefill_interference x decode step time x prefill rate`` (both measured from the
+  engine's own steps, :class:`~mars.policy.step_stats.StepStats`), block-aligned, at least one
+  block so it always progresses. With the default 1.0, a step with such a chunk takes about
+  two decode steps: the higher-priority calls' token rate at most halves, whatever the model
+  and the GPU. Nothing is capped before both quantities have been measured.
 
 Mechanism only: what a key is comes from :class:`mars.policy.base.OrderingPolicy`.
 """
@@ -28,13 +38,20 @@ from collections.abc import Callable
 from vllm.v1.request import Request
 
 from mars.policy.base import OrderingPolicy
+from mars.policy.step_stats import StepStats
 from mars.vllm_patches.calls import EngineCall
+
+
+#: a prefill is bounded only when it ranks this many levels below the best decode (two MLFQ
+#: levels: a size class at least 4x larger) -- the head-of-line case the rule is for
+INTERFERENCE_LEVEL_GAP = 2
 
 
 class Coordinator:
     def __init__(self, policy: OrderingPolicy, calls: dict[str, EngineCall], *,
                  block_size: int, token_budget: int, max_running: int,
-                 free_blocks: Callable[[], int], prefill_yield: bool) -> None:
+                 free_blocks: Callable[[], int], prefill_yield: bool,
+                 step_stats: StepStats | None = None, interference: float = 0.0) -> None:
         self.policy = policy
         #: whether this policy orders at all (arrival order is vLLM's own: nothing to do)
         self.active = policy.reorders
@@ -51,6 +68,14 @@ class Coordinator:
         #: keys of the admissible waiting calls (sorted) and prefix sums of their token demand
         self._wkeys: list[tuple] = []
         self._wdemand: list[int] = []
+        self._stats = step_stats
+        self._interference = interference if (prefill_yield and step_stats) else 0.0
+        #: key of the best running decode this step (None: none, or not looked for yet)
+        self._best_decode: tuple | None = None
+        self._best_decode_level: int | None = None
+        self._decode_scanned = False
+        #: level of the best admissible waiting call (None: none)
+        self._wtop_level: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def on_arrival(self, call: EngineCall, now: float) -> int | None:
@@ -166,6 +191,7 @@ class Coordinator:
         takes a budget-sized chunk, not its whole prompt, in one step)."""
         wkeys: list[tuple] = []
         demand: list[int] = []
+        self._wtop_level = None
         if waiting:
             budget = self._budget
             slots = self._max_running - len(running)
@@ -182,6 +208,8 @@ class Coordinator:
                 if blocks > free:
                     break
                 acc += min(need, budget)
+                if not wkeys:
+                    self._wtop_level = self.policy.level_of(r.request_id)
                 wkeys.append(c.key)
                 demand.append(acc)
                 slots -= 1
@@ -199,3 +227,43 @@ class Coordinator:
         floor = bs - (computed % bs)  # at least up to the next block boundary
         granted = max(keep, floor)
         return granted if granted < n else n
+
+    def step_begin(self) -> None:
+        self._decode_scanned = False
+
+    def interference_cap(self, request: Request, computed: int, n: int,
+                         running: list[Request]) -> int:
+        """Bound the chunk of a running prefill ranked well below a running decode or an
+        admissible waiting call (which vLLM admits after the running loop, in this step)."""
+        if not self._interference:
+            return n
+        cap = self._stats.interference_tokens(self._interference)
+        if cap is None or n <= cap:
+            return n
+        if not self._decode_scanned:
+            # the first decode in the sorted running list is the best-ranked one
+            self._decode_scanned = True
+            self._best_decode = None
+            self._best_decode_level = None
+            calls = self._calls
+            for r in running:
+                if r.num_computed_tokens >= r.num_prompt_tokens:
+                    self._best_decode = calls[r.request_id].key
+                    self._best_decode_level = self.policy.level_of(r.request_id)
+                    break
+        mine = self._calls[request.request_id].key
+        top = None
+        if self._best_decode is not None and self._best_decode < mine:
+            top = self._best_decode_level
+        if self._wkeys and self._wkeys[0] < mine and self._wtop_level is not None:
+            top = self._wtop_level if top is None else min(top, self._wtop_level)
+        level = self.policy.level_of(request.request_id)
+        if level is None or top is None or level - top < INTERFERENCE_LEVEL_GAP:
+            # comparable size classes: spreading the prefill over more steps adds the same
+            # total time to the others and keeps its partial KV resident longer (the first
+            # victim when decodes grow: 108 instead of 39 preemptions in the agent-loop
+            # simulation when every lower-ranked prefill was bounded)
+            return n
+        bs = self._bs
+        end = ((computed + max(cap, bs)) // bs) * bs
+        return max(end - computed, bs - computed % bs)

@@ -224,7 +224,7 @@ class CoScheduler:
         self._counters["pinned"] += 1
         self.last_pinned = request.request_id
         self._emit("pin", session_id=meta.job_id, blocks=len(held), tau_s=tau,
-                   tool=meta.next_tool)
+                   tool=meta.next_tool, rule=self.retention.decision_rule())
         return True
 
     # ------------------------------------------------------------------ lifecycle

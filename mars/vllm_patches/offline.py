@@ -10,7 +10,7 @@ as the model runner reports it).
 
 Time: the mars scheduler reads every clock through an injectable clock. The offline engine
 gives it a :class:`VirtualClock` by default, advanced after each step by ``step_time(out)``
-(a constant unless a step-time model is passed), so a scenario gives the same decisions on a
+(:func:`linear_step_time` unless a step-time model is passed), so a scenario gives the same decisions on a
 loaded machine as on an idle one; ``wall_clock=True`` keeps real time (the benchmark, which
 measures the real cost of the hooks).
 """
@@ -53,11 +53,11 @@ def tiny_model_dir() -> str:
 
 def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=None,
                       max_num_batched_tokens: int = 2048, block_size: int = BLOCK_SIZE,
-                      mars: dict[str, Any] | None = None):
+                      mars: dict[str, Any] | None = None, max_model_len: int = 16384):
     """A ``VllmConfig`` as ``mars-vllm serve`` makes one; ``policy=None``: stock vLLM."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    mc = model_config or ModelConfig(model=tiny_model_dir(), max_model_len=16384,
+    mc = model_config or ModelConfig(model=tiny_model_dir(), max_model_len=max_model_len,
                                      dtype="bfloat16", seed=0)
     sc = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -121,6 +121,15 @@ def synthetic_token(request) -> int:
         % (_VOCAB_HI - _VOCAB_LO)
 
 
+def linear_step_time(out, fixed_s: float = 0.005, per_token_s: float = 2e-5) -> float:
+    """The offline engine's default synthetic step time: a fixed cost plus a cost per
+    scheduled token. Synthetic (no hardware behind it); it only has the shape every real
+    engine has -- a step with more tokens takes longer -- so rules that trade tokens per step
+    against step time behave as they would on one. The emulated-GPU step-time model replaces
+    it where numbers matter."""
+    return fixed_s + per_token_s * out.total_num_scheduled_tokens
+
+
 # --------------------------------------------------------------------------- engine
 @dataclass
 class KvAccount:
@@ -145,7 +154,7 @@ class OfflineEngine:
                  max_num_batched_tokens: int = 2048, block_size: int = BLOCK_SIZE,
                  model_config=None, log_stats: bool = True, wall_clock: bool = False,
                  step_time: Callable[[Any], float] | None = None,
-                 mars: dict[str, Any] | None = None) -> None:
+                 mars: dict[str, Any] | None = None, max_model_len: int = 16384) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
@@ -154,7 +163,8 @@ class OfflineEngine:
         self.policy = policy
         self.vllm_config = build_vllm_config(
             policy, max_num_seqs, model_config=model_config,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, mars=mars)
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, mars=mars,
+            max_model_len=max_model_len)
         self.sched, hbs = build_scheduler(self.vllm_config, num_blocks, log_stats=log_stats)
         self._hasher = block_hasher(self.vllm_config, hbs)
         self.clock: Callable[[], float]
@@ -164,7 +174,7 @@ class OfflineEngine:
             self.clock = VirtualClock()
             if policy is not None:
                 self.sched.set_mars_clock(self.clock)
-        self._step_time = step_time or (lambda out: 0.01)
+        self._step_time = step_time or linear_step_time
         self.live: dict[str, Any] = {}
         #: finished request id -> all token ids (prompt + output)
         self.done: dict[str, list[int]] = {}

@@ -35,6 +35,7 @@ from vllm.v1.request import Request, RequestStatus
 from mars.policy.base import SessionMeta
 from mars.policy.events import make_event
 from mars.policy.registry import get_policy, with_config
+from mars.policy.step_stats import StepStats
 from mars.stream.publisher import EventPublisher
 from mars.vllm_patches.calls import EngineCall
 from mars.vllm_patches.coordinator import Coordinator
@@ -80,11 +81,14 @@ class MarsSchedulerMixin:
         total = pool.num_gpu_blocks - 1  # the null block is never handed out
         #: per-request records, the policies' CallViews (dropped when the request is freed)
         self.mars_calls: dict[str, EngineCall] = {}
+        self.mars_step_stats = StepStats(min_prefill_tokens=self.block_size)
         self.mars_coord = Coordinator(
             ordering, self.mars_calls, block_size=self.block_size,
             token_budget=self.max_num_scheduled_tokens,
             max_running=self.max_num_running_reqs,
-            free_blocks=pool.get_num_free_blocks, prefill_yield=spec.prefill_yield)
+            free_blocks=pool.get_num_free_blocks, prefill_yield=spec.prefill_yield,
+            step_stats=self.mars_step_stats,
+            interference=float(cfg.get("prefill_interference", spec.prefill_interference)))
         self.mars_cosched = CoScheduler(
             retention, self.kv_cache_manager, block_size=self.block_size,
             total_blocks=total, lookahead_tokens=self.num_lookahead_tokens,
@@ -153,15 +157,14 @@ class MarsSchedulerMixin:
         ))
 
     def _mars_measure_step(self, now: float) -> None:
-        """Prefill throughput from step times: the previous step's tokens over the time until
-        this one, when prefill dominated it (recompute time is priced with this rate; timing
-        a call from its first schedule to its first token would include queueing)."""
+        """Prefill throughput and decode step time from step boundaries (the previous step's
+        tokens over the time until this one): recompute time is priced with the rate, and the
+        coordinator bounds low-priority prefill chunks with both."""
         last = self._mars_last_step
         if last is None:
             return
         ts, tokens, reqs = last
-        prefill = tokens - reqs  # each decode contributes 1 token, each prefill its chunk - 1
-        if prefill >= self.block_size and 2 * prefill >= tokens and now > ts:
+        if now > ts and self.mars_step_stats.observe(tokens, reqs, now - ts):
             self.mars_cosched.retention.observe_prefill(tokens, now - ts)
 
     # ------------------------------------------------------------ step hooks
@@ -179,6 +182,7 @@ class MarsSchedulerMixin:
                 cosched.refresh_demand(self.waiting, self.mars_calls)
                 cosched.judge(now, len(self.running), len(self.waiting))
         coord.sort(self.running, self.waiting)
+        coord.step_begin()
         # whether this step's allocations cannot run out of blocks whatever they are (every
         # running call takes at most a couple of blocks, plus the whole token budget as
         # prefill): then no decode can need a pin reclaimed, and decodes skip the hook
@@ -253,6 +257,8 @@ class MarsSchedulerMixin:
             n = self.mars_coord.yield_tokens(request, num_computed_tokens, n)
             if n < before:
                 self.mars_counters["yielded"] += 1
+            n = self.mars_coord.interference_cap(request, num_computed_tokens, n,
+                                                 self.running)
         return self.mars_cosched.running_chunk(
             request, num_computed_tokens, n, prefill,
             c.session_id if c is not None else None, c.round if c is not None else None, now)
