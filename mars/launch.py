@@ -18,18 +18,25 @@ from pathlib import Path
 import httpx
 
 
+def pin_to(cores: list[int] | None) -> set[int] | None:
+    """Restrict the calling thread (and the children it starts) to ``cores``; returns the old
+    mask, or None when nothing was changed (no cores given, or no affinity on this OS)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return None
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    return old
+
+
 @contextlib.contextmanager
 def pinned_to(cores: list[int] | None) -> Iterator[None]:
     """Pin the calling thread while a child is started: the child inherits the mask."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
+    old = pin_to(cores)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, old)
+        if old is not None:
+            os.sched_setaffinity(0, old)
 
 
 def tail_file(path: str | None, n: int = 40) -> str:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mars.policy.metrics import (
+from mars.workloads.goodput import (
     DEFAULT_SLACKS,
     TaskOutcome,
     Window,

@@ -204,3 +204,23 @@ def test_admission_loop_with_cpu_pressure_switches_mode():
     res = ba.step(2.0)  # load 1.0: CPU mode, not overloaded (< 1.25), cpu cap not binding
     assert res.pack.mode is PackMode.CPU
     assert res.admitted == ["long", "short_tooly"]
+
+
+def test_light_tools_are_tracked_but_not_cpu_load():
+    """A tool that declares ``cpu_bound: false`` (it waits, e.g. the replay's sleeping tools)
+    keeps its session alive but occupies no core."""
+    from mars.policy.pressure import DualPressureState, PressureConfig
+
+    st = DualPressureState(PressureConfig(tool_cores=2.0))
+    st.observe(make_event("tool_start", session_id="a", ts=1.0, tool="sleep", call_id="1",
+                          cpu_bound=False))
+    st.observe(make_event("tool_start", session_id="b", ts=1.0, tool="build", call_id="2"))
+    assert st.active_tools == 1 and st.cpu_load == 0.5
+    assert st.active_tools_of("a") == 1  # still running for the session's idle clock
+    st.observe(make_event("tool_end", session_id="a", ts=2.0, tool="sleep", call_id="1",
+                          duration_s=1.0))
+    assert st.active_tools == 1 and st.active_tools_of("a") == 0
+    st.observe(make_event("tool_start", session_id="a", ts=3.0, tool="sleep", call_id="3",
+                          cpu_bound=False))
+    st.forget_session("a")
+    assert st.active_tools == 1

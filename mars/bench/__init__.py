@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from mars.policy.metrics import DEFAULT_SLACKS
+from mars.workloads.goodput import DEFAULT_SLACKS
 
 from .report import ABLATIONS, BASELINES, compare, format_tables, write_plots
 from .runner import (
@@ -36,42 +36,13 @@ from .runner import (
     resolve_policies,
     resolve_regimes,
 )
+from mars.cli_types import cores as _cores
+from mars.cli_types import positive_float as _positive_float
+from mars.cli_types import positive_int as _positive_int
+from mars.cli_types import slacks as _slacks
 
 __all__ = ["ABLATIONS", "BASELINES", "Bench", "BenchConfig", "BenchError", "compare",
            "config_from_args", "format_tables", "register", "write_plots"]
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {s})")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {s})")
-    return v
-
-
-def _cores(s: str) -> list[int]:
-    from mars.workloads.toolpool import parse_cores
-
-    try:
-        return parse_cores(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _slacks(s: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"slacks must be numbers like 2,3,5 (got {s!r})") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"slacks must be > 0 (got {s!r})")
-    return vals
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

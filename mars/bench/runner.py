@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from mars.policy.metrics import DEFAULT_SLACKS
+from mars.workloads.goodput import DEFAULT_SLACKS
 from mars.launch import pinned_to
 
 from .report import BASELINES, MARS, compare, format_tables, rate_key, write_plots
@@ -621,6 +621,12 @@ class Bench:
         args = ["--policy", policy, *self.cfg.server_args]
         if "--enable-prompt-tokens-details" not in self.cfg.server_args:
             args.append("--enable-prompt-tokens-details")
+        if not any(a.startswith("--sidecar-args") for a in self.cfg.server_args):
+            # the sidecar's CPU cap must know the cores the replay's tools really have (the
+            # tool workers, one per tool core by default), not this machine's core count
+            from mars.workloads.toolpool import available_cores
+            workers = self.cfg.tool_workers or len(self.tool_cores or available_cores())
+            args += ["--sidecar-args", json.dumps({"tool_cores": workers})]
         srv = ServerProcess(args=args, log_path=str(sdir / "server.log"),
                             events_file=str(sdir / "events.jsonl"), env=env,
                             startup_timeout_s=self.cfg.startup_timeout)

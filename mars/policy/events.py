@@ -131,6 +131,9 @@ class ToolStart(_Base):
     tool: str
     round: int | None = None
     call_id: str | None = None
+    #: False for a tool that waits (network, sleep) rather than computes: it occupies no core
+    #: and is not counted as CPU load
+    cpu_bound: bool = True
 
 
 class ToolEnd(_Base):

@@ -167,6 +167,8 @@ class DualPressureState:
         self.llm_duration = Ema(c.llm_ema_alpha)
         # tools: session -> {call_key: start_ts}
         self._open: dict[str, dict[str, float]] = {}
+        #: keys of open calls that declared ``cpu_bound: false``, per session
+        self._light: dict[str, set[str]] = {}
         self._anon_seq = 0
         self._tool_num_offset = 0
         self.tool_starts_total = 0
@@ -243,6 +245,10 @@ class DualPressureState:
             key = f"anon:{self._anon_seq}"
         calls[key] = ts
         self.tool_starts_total += 1
+        if _get(ev, "cpu_bound", True) is False:
+            # a tool that waits (network, sleep) occupies no core: tracked for the session's
+            # liveness, not counted as CPU load
+            self._light.setdefault(sid, set()).add(key)
 
     def _on_tool_end(self, ev: Any, ts: float) -> None:
         sid = str(_get(ev, "session_id"))
@@ -253,12 +259,20 @@ class DualPressureState:
         call_id = _get(ev, "call_id")
         if calls:
             key = f"id:{call_id}" if call_id is not None else None
+            closed = None
             if key is not None and key in calls:
-                del calls[key]
+                closed = key
             elif key is None:
                 # No id: close the oldest anonymous call, else the oldest call.
                 anon = [k for k in calls if k.startswith("anon:")]
-                del calls[(anon or list(calls))[0]]
+                closed = (anon or list(calls))[0]
+            if closed is not None:
+                del calls[closed]
+                light = self._light.get(sid)
+                if light is not None:
+                    light.discard(closed)
+                    if not light:
+                        del self._light[sid]
             if not calls:
                 del self._open[sid]
         # Interrupted calls were cut short by the agent dying: not a service-time sample.
@@ -300,9 +314,12 @@ class DualPressureState:
     def forget_session(self, session_id: str) -> None:
         """Drop a session's open tool calls (it ended, disconnected or was released)."""
         self._open.pop(session_id, None)
+        self._light.pop(session_id, None)
 
     def _tracked_tools(self) -> int:
-        return sum(len(v) for v in self._open.values())
+        """Open CPU-bound tool calls (light ones excluded)."""
+        return sum(len(v) for v in self._open.values()) - sum(
+            len(v) for v in self._light.values())
 
     def _prune(self, now: float) -> None:
         c = self.config
@@ -314,6 +331,11 @@ class DualPressureState:
             for sid in [s for s, calls in self._open.items()
                         if any(t < cutoff for t in calls.values())]:
                 calls = {k: t for k, t in self._open[sid].items() if t >= cutoff}
+                light = self._light.get(sid)
+                if light is not None:
+                    light &= set(calls)
+                    if not light:
+                        del self._light[sid]
                 if calls:
                     self._open[sid] = calls
                 else:

@@ -6,7 +6,7 @@ Wiring only; every part has one job and lives in its own module:
 * :mod:`~mars.sidecar.control`: session admission around ``BalanceAndAdmit`` (waiting, waking,
   ending sessions);
 * :mod:`~mars.sidecar.proxy`: byte-level forwarding to vLLM and the failure model;
-* :mod:`~mars.sidecar.hub` + :mod:`~mars.sidecar.engine_events`: the merged event stream;
+* :mod:`~mars.sidecar.hub` + :mod:`~mars.stream.engine_reader`: the merged event stream;
 * :mod:`~mars.sidecar.metrics`: Prometheus.
 
 Endpoints (everything else is forwarded to the engine unchanged, without admission):
@@ -52,7 +52,7 @@ from mars.policy.admission import QueueFull
 from mars.policy.events import TOOL_KINDS, EventError, make_event, parse_events
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.control import AdmissionTimeout, ControlPlane, Session, SessionClosed
-from mars.sidecar.engine_events import EngineEventReader
+from mars.stream.engine_reader import EngineEventReader
 from mars.sidecar.errors import openai_error
 from mars.sidecar.hub import EventHub
 from mars.sidecar.metrics import SidecarMetrics

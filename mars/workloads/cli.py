@@ -16,6 +16,8 @@ from .generator import REGIMES, generate
 from .importer import import_file
 from .stats import format_stats, trace_stats
 from .trace import TraceError, read_trace, write_trace
+from mars.cli_types import positive_float as _positive_float
+from mars.cli_types import positive_int as _positive_int
 
 
 def _regime_help() -> str:
@@ -23,20 +25,6 @@ def _regime_help() -> str:
         f"{r.name}: mean prompt volume {r.target_mean_volume / 1000:g}K, context {r.context_limit}"
         for r in REGIMES.values()
     )
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {s})")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {s})")
-    return v
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from mars.policy.base import SessionMeta
-from mars.policy.metrics import DEFAULT_SLACKS
+from mars.workloads.goodput import DEFAULT_SLACKS
 
 from .eventlink import EventPoster, StreamRecorder, read_events, slice_events_file
 from .httpclient import (
@@ -365,7 +365,7 @@ class ReplaySession:
             began.append(mono)
             if poster is not None:
                 poster.emit("tool_start", session_id=job, ts=unix(mono), tool=tool, round=k,
-                            call_id=call_id)
+                            call_id=call_id, cpu_bound=rnd.cpu_bound)
             self._postfix(st)
 
         if poster is not None:

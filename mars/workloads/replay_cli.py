@@ -18,31 +18,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mars.policy.metrics import DEFAULT_SLACKS
+from mars.workloads.goodput import DEFAULT_SLACKS
 
 from .generator import REGIMES, compress_time, generate, scale_trace
 from .httpclient import ReplayError
 from .ideal import cache_dir, ideal_key, load_cached, load_ideal_file, save_cached
 from .prompts import DEFAULT_TOKEN_RANGE, parse_token_range
 from .results import ResultsError, RunResult, format_report, read_results, write_results
-from .toolpool import BURN_MODES, parse_cores
+from .toolpool import BURN_MODES
 from .trace import Trace, TraceError, read_trace, write_trace
+from mars.cli_types import cores as _cores
+from mars.cli_types import positive_float as _positive_float
+from mars.cli_types import positive_int as _positive_int
+from mars.cli_types import slacks as _slacks
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED_TASKS, EXIT_INTERRUPTED = 0, 1, 3, 130
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {s})")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {s})")
-    return v
 
 
 def _token_range(s: str) -> tuple[int, int]:
@@ -50,23 +40,6 @@ def _token_range(s: str) -> tuple[int, int]:
         return parse_token_range(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _cores(s: str) -> list[int]:
-    try:
-        return parse_cores(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _slacks(s: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"slacks must be numbers like 2,3,5 (got {s!r})") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"slacks must be > 0 (got {s!r})")
-    return vals
 
 
 # ---------------------------------------------------------------------------------- trace

@@ -16,7 +16,7 @@ Definitions (the paper's, §2.1 and §6.2):
 * **cached fraction** of a round is the server's prefix-cache hit over its prompt tokens;
 * **tool wait** is how long a CPU-bound tool queued for a tool core;
 * **goodput** (Eq. 1-2) is the rate of tasks completing within ``slack x`` their ideal
-  (isolated, concurrency 1) latency, for slack 2, 3, 5 (``mars.policy.metrics``).
+  (isolated, concurrency 1) latency, for slack 2, 3, 5 (``mars.workloads.goodput``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mars.policy.metrics import DEFAULT_SLACKS, TaskOutcome, evaluate, summarize
+from mars.workloads.goodput import DEFAULT_SLACKS, TaskOutcome, evaluate, summarize
 
 RESULTS_SCHEMA = "mars-replay-results"
 RESULTS_VERSION = 1

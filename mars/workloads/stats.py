@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mars.policy.metrics import Summary, summarize
+from mars.workloads.goodput import Summary, summarize
 
 from .tools import is_cpu_bound
 from .trace import Trace, prompt_lengths

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mars.launch import pin_to
+
 BURN_MODES = ("cpu", "wall")
 
 #: a burn never runs longer than this many times its duration (+ a floor) in wall time: a
@@ -104,8 +106,7 @@ def _worker_init(cores: list[int] | None, stop_event: Any) -> None:
     global _stop_event
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _stop_event = stop_event
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
+    pin_to(cores)
 
 
 def burn(duration_s: float, mode: str = "cpu") -> tuple[float, float, bool]:

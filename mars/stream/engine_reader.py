@@ -20,7 +20,7 @@ from typing import Any
 
 from mars.stream.publisher import TOPIC
 
-log = logging.getLogger("mars.sidecar.engine")
+log = logging.getLogger("mars.stream.engine")
 
 
 class EngineEventReader:

@@ -1,0 +1,48 @@
+"""Argument types shared by the command-line tools (``mars workloads``, ``mars replay``,
+``mars bench``): each parses one value or raises ``argparse.ArgumentTypeError`` with a message
+that names what was expected, so argparse prints a clear usage error."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number (got {s!r})") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite (got {s})")
+    return v
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (got {s!r})") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {s})")
+    return v
+
+
+def slacks(s: str) -> tuple[float, ...]:
+    """Goodput slack factors: ``2,3,5``."""
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"slacks must be numbers like 2,3,5 (got {s!r})") from None
+    if not vals or any(not v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"slacks must be > 0 (got {s!r})")
+    return vals
+
+
+def cores(s: str) -> list[int]:
+    """A CPU core list: ``0``, ``0,2``, ``1-3``."""
+    from mars.workloads.toolpool import parse_cores
+
+    try:
+        return parse_cores(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
