@@ -86,3 +86,9 @@ def test_policies_implement_the_declared_contracts():
         ordering, retention = get_policy(name).build()
         assert isinstance(ordering, OrderingPolicy), name
         assert isinstance(retention, RetentionPolicy), name
+
+
+def test_emulation_models_are_framework_free():
+    bad = {str(p.relative_to(ROOT)): _imported_roots(p) & {"vllm", "torch", "fastapi", "zmq"}
+           for p in _files("emulate")}
+    assert {k: v for k, v in bad.items() if v} == {}

@@ -231,7 +231,8 @@ class WindowedMLFQ(OrderingPolicy):
         lvl = self._base_of(call)
         L1 = self._L1
         rid = call.request_id
-        svc = self._service.get(self._owner(call))
+        sid = call.session_id
+        svc = self._service.get(sid if (sid is not None and self._per_session) else rid)
         if svc is not None:
             s = svc.total
             if s:

@@ -1,0 +1,172 @@
+"""The time of one engine step on an emulated GPU, from the batch it runs.
+
+A step runs, for every scheduled request, ``new`` tokens (a prefill chunk, or 1 for a decode)
+that attend to ``context`` tokens already in the KV cache. Its time is a roofline per
+component -- each takes the longer of its compute at an efficiency-derated peak and its memory
+traffic at a derated bandwidth -- plus fixed overheads::
+
+    per layer:
+      projections  max(2 T P_attn / (F e_gemm),            P_attn b_w / (B e_mem))
+      MLP (dense)  max(2 T P_mlp / (F e_gemm),             P_mlp b_w / (B e_mem))
+      MLP (MoE)    max(2 T k P_exp / (F e_moe),            E_t P_exp b_e / (B e_mem))
+                   E_t = E (1 - (1 - k/E)^T)       experts touched by T tokens (uniform routing)
+      attention    max(sum 4 n_i a_i H d / (F e_attn),     sum (c_i + n_i) kv_layer / (B e_mem))
+                   a_i = c_i + (n_i + 1) / 2 (causal), both capped at the window on sliding layers
+    logits         max(2 R V h / (F e_gemm),               V h b_w / (B e_mem))
+    overheads      step + layers * per_layer + R * per_request
+
+with ``T`` the step's tokens, ``R`` its requests, ``F`` / ``B`` the GPU's dense BF16 peak and HBM
+bandwidth. What each coefficient is and where its value comes from: docs/emulation.md (every
+default cites a spec sheet, a published measurement or another simulator's published fitted
+coefficient). The expected-experts term is inference-sim's ``nEff`` (``sim/latency/
+roofline.go``); the overheads are its fitted H100 vLLM coefficients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from mars.emulate.specs import GpuSpec, ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEntry:
+    """One scheduled request: ``new`` tokens computed this step over ``context`` cached ones."""
+
+    new: int
+    context: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepCoefficients:
+    """Efficiency factors and fixed overheads (defaults and sources: docs/emulation.md)."""
+
+    #: achieved fraction of dense BF16 peak in the dense projections and the logits GEMM
+    gemm_efficiency: float = 0.6
+    #: achieved fraction of peak in the MoE experts' grouped GEMMs (many small GEMMs: lower)
+    moe_efficiency: float = 0.25
+    #: achieved fraction of peak in attention (FlashAttention over the context)
+    attention_efficiency: float = 0.5
+    #: achieved fraction of peak HBM bandwidth
+    memory_efficiency: float = 0.8
+    #: fixed cost per step, per layer and per request (seconds)
+    step_overhead_s: float = 126e-6
+    layer_overhead_s: float = 32.1e-6
+    request_overhead_s: float = 4.42e-6
+
+    def __post_init__(self) -> None:
+        effs = (self.gemm_efficiency, self.moe_efficiency, self.attention_efficiency,
+                self.memory_efficiency)
+        if not all(0 < e <= 1 for e in effs):
+            raise ValueError("efficiency factors must lie in (0, 1]")
+        if min(self.step_overhead_s, self.layer_overhead_s, self.request_overhead_s) < 0:
+            raise ValueError("overheads must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StepBreakdown:
+    """Seconds per component (for docs, tests and the emulator's events)."""
+
+    projections: float
+    mlp: float
+    attention: float
+    logits: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.projections + self.mlp + self.attention + self.logits + self.overhead
+
+
+class StepTimeModel:
+    def __init__(self, model: ModelSpec, gpu: GpuSpec,
+                 coefficients: StepCoefficients | None = None) -> None:
+        self.model, self.gpu = model, gpu
+        self.coef = c = coefficients or StepCoefficients()
+        m = model
+        F, B = gpu.flops, gpu.bandwidth
+        self._f_gemm = F * c.gemm_efficiency
+        self._f_moe = F * c.moe_efficiency
+        self._f_attn = F * c.attention_efficiency
+        self._bw = B * c.memory_efficiency
+        # per-layer constants
+        self._attn_w = m.attn_params * m.weight_bytes
+        self._mlp_dense_w = (m.dense_mlp_params + m.router_params) * m.weight_bytes
+        self._expert_w = m.expert_params * m.expert_weight_bytes
+        self._kv_layer = m.kv_bytes_per_token_layer()
+        self._attn_flop = 4 * m.num_heads * m.head_dim  # per (query token, key token) pair
+        self._logits_w = m.vocab * m.hidden * m.weight_bytes
+        self._window = m.sliding_window or 0
+        self._fixed = c.step_overhead_s + m.num_layers * c.layer_overhead_s
+
+    # ------------------------------------------------------------------ the model
+    def step_time(self, batch: Iterable[BatchEntry] | Iterable[tuple[int, int]]) -> float:
+        """Seconds for one step over ``batch`` ((new, context) pairs or BatchEntry)."""
+        return self.breakdown(batch).total
+
+    def breakdown(self, batch) -> StepBreakdown:
+        m, c = self.model, self.coef
+        T = R = 0
+        full_pairs = full_kv = 0.0
+        slide_pairs = slide_kv = 0.0
+        W = self._window
+        for e in batch:
+            n, ctx = (e.new, e.context) if isinstance(e, BatchEntry) else e
+            if n <= 0:
+                continue
+            T += n
+            R += 1
+            full_pairs += n * (ctx + (n + 1) / 2)
+            full_kv += ctx + n
+            if m.sliding_layers:
+                # each query attends to at most W keys; the window's KV is what is read
+                sc = min(ctx, W)
+                slide_pairs += n * min(sc + (n + 1) / 2, W)
+                slide_kv += min(ctx + n, W + n)
+        if T == 0:
+            return StepBreakdown(0.0, 0.0, 0.0, 0.0, 0.0)
+        L, bw = m.num_layers, self._bw
+        proj = L * max(2 * T * m.attn_params / self._f_gemm, self._attn_w / bw)
+        # dense FFN and router: every token, every weight
+        mlp = L * max(2 * T * (m.dense_mlp_params + m.router_params) / self._f_gemm,
+                      self._mlp_dense_w / bw)
+        if m.num_experts:
+            E, k = m.num_experts, m.experts_per_token
+            touched = E * (1.0 - (1.0 - k / E) ** T)
+            mlp += L * max(2 * T * k * m.expert_params / self._f_moe,
+                           touched * self._expert_w / bw)
+        af = self._attn_flop
+        attn = m.full_layers * max(af * full_pairs / self._f_attn,
+                                   full_kv * self._kv_layer / bw)
+        if m.sliding_layers:
+            attn += m.sliding_layers * max(af * slide_pairs / self._f_attn,
+                                           slide_kv * self._kv_layer / bw)
+        logits = max(2 * R * m.vocab * m.hidden / self._f_gemm, self._logits_w / bw)
+        overhead = self._fixed + R * c.request_overhead_s
+        return StepBreakdown(proj, mlp, attn, logits, overhead)
+
+    # ------------------------------------------------------------------ derived figures
+    def prefill_time(self, prompt: int, chunk: int | None = None) -> float:
+        """Time to prefill ``prompt`` tokens alone, in chunks of ``chunk`` (None: one step)."""
+        chunk = chunk or prompt
+        done, t = 0, 0.0
+        while done < prompt:
+            n = min(chunk, prompt - done)
+            t += self.step_time([(n, done)])
+            done += n
+        return t
+
+    def decode_step(self, batch: int, context: int) -> float:
+        """One decode step of ``batch`` requests, each over ``context`` tokens."""
+        return self.step_time([(1, context)] * batch)
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9,
+                           reserve_gib: float = 2.0) -> int:
+        """Context tokens the KV cache holds (full-attention layers), as vLLM sizes the pool:
+        memory x utilization - weights - a reserve for activations and the CUDA graphs."""
+        free = (self.gpu.memory_gib * gpu_memory_utilization - reserve_gib) * 2**30 \
+            - self.model.weight_memory_bytes
+        per = self.model.kv_bytes_per_token()
+        return max(0, math.floor(free / per)) if per > 0 else 0
