@@ -224,3 +224,30 @@ def test_light_tools_are_tracked_but_not_cpu_load():
                           cpu_bound=False))
     st.forget_session("a")
     assert st.active_tools == 1
+
+
+def test_slowdown_ignores_light_tools_and_millisecond_tools():
+    """The slowdown signal is about CPU contention: a light tool's duration, or a tool type
+    whose baseline is milliseconds (scheduling jitter dominates), must not cut the window.
+    (Found in a time-scaled replay: 1 ms sleeping tools taking 3 ms pushed the slowdown to
+    overload and the window to 1.)"""
+    from mars.policy.pressure import DualPressureState, PressureConfig
+
+    st = DualPressureState(PressureConfig(tool_cores=2.0))
+    for i in range(20):
+        for tool, dur, cpu in (("view", 0.001 if i < 10 else 0.004, False),
+                               ("quick", 0.002 if i < 10 else 0.008, True)):
+            st.observe(make_event("tool_start", session_id="a", ts=float(i), tool=tool,
+                                  call_id=f"{tool}{i}", cpu_bound=cpu))
+            st.observe(make_event("tool_end", session_id="a", ts=i + dur, tool=tool,
+                                  call_id=f"{tool}{i}", duration_s=dur))
+    # the signal is read while a tool runs
+    st.observe(make_event("tool_start", session_id="c", ts=29.0, tool="test", call_id="open"))
+    assert st.signals(30.0).tool_slowdown is None or st.signals(30.0).tool_slowdown < 1.1
+    for i in range(20):  # a real CPU tool that slows down 3x does count
+        dur = 1.0 if i < 10 else 3.0
+        st.observe(make_event("tool_start", session_id="b", ts=100.0 + 10 * i, tool="test",
+                              call_id=f"t{i}"))
+        st.observe(make_event("tool_end", session_id="b", ts=100.0 + 10 * i + dur,
+                              tool="test", call_id=f"t{i}", duration_s=dur))
+    assert st.signals(300.0).tool_slowdown > 1.5

@@ -5,14 +5,19 @@ seeded random agent workloads -- multi-round sessions whose rounds extend their 
 random tool gaps, tight pools, small and default step budgets -- and after every step checks:
 
 * conservation: every block of the pool is free, used by a request, or held only by pins;
+* integrity: every cached block a request holds carries that request's own block hash (a
+  block reused or evicted under a request would not);
 * liveness: never two consecutive steps that schedule nothing while work is live (one can
   happen: a step whose running calls were all preempted admits nobody, by vLLM's rule);
 * after the drain: no pin left, the whole pool free;
 * results: every request produced exactly the tokens it would have alone (the synthetic model
   is a function of the sequence, so scheduling must never change an output).
 
-A failing case prints its seed; ``python -m pytest tests/test_scheduler_invariants.py
--k "case and SEED"`` replays it (``MARS_INVARIANT_CASES`` widens the sweep).
+Sessions extend their context round after round, and sometimes rewrite it (a condensed
+history: the next prompt shares nothing with the pinned one), so a pin is not always its next
+round's cache hit. A failing case prints its seed; ``MARS_SEED=17,42 python -m pytest
+tests/test_scheduler_invariants.py -k test_case`` replays it (``MARS_INVARIANT_CASES`` widens
+the sweep).
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class Round:
     new_tokens: list[int]
     max_tokens: int
     gap_s: float  # tool time before this round (0 for round 0: arrival offset instead)
+    #: the prompt is ``new_tokens`` alone (a rewritten history), not context + new tokens
+    rewrite: bool = False
 
 
 @dataclass
@@ -117,21 +124,24 @@ def make_case(seed: int) -> Case:
     num_blocks = rng.choice((16, 24, 40, 64, 128))
     budget = rng.choice((32, 64, 256, 2048))
     max_seqs = rng.choice((2, 4, 16))
-    cap = (num_blocks - 3) * BS  # a sequence must fit the pool on its own
+    cap = (num_blocks - 1) * BS - 1  # a sequence must fit the pool on its own (null block)
     sessions = []
     for j in range(rng.randint(1, 8)):
         n_rounds = rng.randint(1, 4)
         first = rng.randint(1, min(900, cap // 2))
-        ctx = first
+        ctx = 0
         rounds = []
         for k in range(n_rounds):
-            new = first if k == 0 else rng.randint(1, 200)
+            rewrite = k > 0 and rng.random() < 0.2
+            new = first if k == 0 else rng.randint(1, 600 if rewrite else 200)
             out = rng.randint(1, 120)
-            if ctx + (new if k else 0) + out > cap:
+            size = (0 if rewrite else ctx) + new + out
+            if size > cap:
                 break
-            ctx += (new if k else 0) + out
+            ctx = size
             rounds.append(Round(_tokens(seed * 1000 + j * 10 + k, new), out,
-                                0.0 if k == 0 else rng.choice((0.0, 0.01, 0.05, 0.3, 2.0))))
+                                0.0 if k == 0 else rng.choice((0.0, 0.01, 0.05, 0.3, 2.0)),
+                                rewrite))
         if rounds:
             sessions.append(Session(f"c{seed}s{j}", rng.uniform(0, 0.2), rounds))
     return Case(seed, policy, num_blocks, budget, max_seqs, sessions)
@@ -149,7 +159,24 @@ def expected_output(prompt: list[int], max_tokens: int, rid: str) -> list[int]:
     return seq
 
 
-def run_case(case: Case) -> None:
+def _check_block_hashes(eng: OfflineEngine, tag: str) -> None:
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    mgr = eng.sched.kv_cache_manager.coordinator.single_type_managers[0]
+    for rid, blocks in mgr.req_to_blocks.items():
+        req = eng.live.get(rid)
+        if req is None:
+            continue
+        hashes = req.block_hashes
+        for i, b in enumerate(blocks):
+            if b.block_hash is None or i >= len(hashes) or b.block_hash_num_tokens not in (
+                    None, (i + 1) * BS):
+                continue
+            assert get_block_hash(b.block_hash) == hashes[i], \
+                f"{tag}: {rid} block {i} holds another sequence's KV"
+
+
+def run_case(case: Case) -> dict[str, int]:
     tag = f"seed={case.seed} policy={case.policy}"
     eng = _engine(case.policy, num_blocks=case.num_blocks, max_num_seqs=case.max_seqs,
                   max_num_batched_tokens=case.budget, step_time=lambda out: 0.01)
@@ -168,7 +195,7 @@ def run_case(case: Case) -> None:
                 s = p[1]
                 k = s.next_round
                 rd = s.rounds[k]
-                prompt = s.context + rd.new_tokens
+                prompt = rd.new_tokens if rd.rewrite else s.context + rd.new_tokens
                 rid = f"{s.sid}-r{k}"
                 last = k == len(s.rounds) - 1
                 eng.add(rid, prompt, rd.max_tokens, job_id=s.sid, round=k, last_round=last,
@@ -183,6 +210,7 @@ def run_case(case: Case) -> None:
             finished = eng.step()
             acc = eng.kv_account()
             assert acc.balanced, f"{tag}: blocks unaccounted: {acc}"
+            _check_block_hashes(eng, tag)
             stalled = 0 if eng.last_scheduled_tokens else stalled + 1
             assert stalled <= 1, f"{tag}: work waits and nothing runs: {eng.describe()}"
             for rid in finished:
@@ -198,6 +226,7 @@ def run_case(case: Case) -> None:
         acc = eng.kv_account()
         assert acc.pinned == 0 and eng.pinned_blocks() == 0, f"{tag}: pins left: {acc}"
         assert acc.free == acc.total, f"{tag}: blocks leaked: {acc}"
+        return dict(eng.sched.mars_counters)
     finally:
         eng.close()
 
@@ -208,9 +237,16 @@ _CHUNK = 60
 
 @pytest.mark.parametrize("chunk", range(-(-_N // _CHUNK)))
 def test_random_cases_keep_the_invariants(chunk):
-    """Seeds ``chunk*60 .. chunk*60+59``; every policy in turn (seed mod #policies)."""
+    """Seeds ``chunk*60 .. chunk*60+59``; every policy in turn (seed mod #policies). The sweep
+    must reach what it is for: pressure (preemptions), pins, and pins reclaimed for a waiting
+    call (the seeds are fixed, so this holds or fails deterministically)."""
+    total: dict[str, int] = {}
     for seed in range(chunk * _CHUNK, min(_N, (chunk + 1) * _CHUNK)):
-        run_case(make_case(seed))
+        for k, v in run_case(make_case(seed)).items():
+            total[k] = total.get(k, 0) + v
+    if _N >= (chunk + 1) * _CHUNK:
+        assert total["preempted"] > 0 and total["pinned"] > 0, total
+        assert total["reclaimed_for_admission"] > 0, total
 
 
 @pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("MARS_SEED", "").split(",")

@@ -76,8 +76,8 @@ def test_fewer_preemptions_than_fcfs_under_fragmentation(tmp_path):
 def test_agent_workload_preempts_less_than_fcfs_for_the_same_work(tmp_path):
     """Multi-round agent jobs (each round extends the previous context) on pools too small for
     them, over several pool sizes, token budgets and batch sizes: same steps for both policies,
-    mars preempts clearly less, shrinks chunks (the event stream shows both, with session
-    ids), and finishes as much work."""
+    mars preempts clearly less (the event stream shows it, with session ids), and finishes as
+    much work."""
     totals = {p: {"preempt": 0, "chunk_shrink": 0, "finished": 0} for p in ("fcfs", "mars")}
     for running, blocks in ((16, 120), (16, 300), (32, 240), (32, 600)):
         for budget in (256, 1024):
@@ -101,7 +101,10 @@ def test_agent_workload_preempts_less_than_fcfs_for_the_same_work(tmp_path):
                         t[ev["kind"]] += 1
     fcfs, mars = totals["fcfs"], totals["mars"]
     assert mars["preempt"] < 0.75 * fcfs["preempt"], totals
-    assert mars["chunk_shrink"] > 0 and fcfs["chunk_shrink"] == 0, totals
+    # fcfs never shrinks; mars no longer needs to here: since admission counts the cached
+    # blocks its allocation takes from the free queue, running prefills do not run short in
+    # this workload (shrinking has its own scenario above)
+    assert fcfs["chunk_shrink"] == 0, totals
     assert mars["finished"] >= 0.97 * fcfs["finished"], totals
 
 

@@ -161,6 +161,10 @@ class RetentionPolicy(ABC):
         """Which of its rules made the latest ``admit`` decision (for the ``pin`` event)."""
         return None
 
+    def decision_counts(self) -> dict[str, int]:
+        """How many ``admit`` decisions each of its rules made (on ``kv_snapshot`` events)."""
+        return {}
+
     def reclaim_rank(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         """Order in which pins go when memory is needed (lowest first); default: oldest."""
         return cand.started

@@ -412,7 +412,8 @@ class ContinuumDyRetention(_OneShotRetention):
     authors' preview code has no estimator at all. Earlier we used a fixed 2 s TTL here, which
     made continuum_dy identical to continuum in any run with fewer than 100 tool calls.)
     Which rule decided each pin is on its ``pin`` event (``rule``: ``cold_start`` /
-    ``dynamic``) and counted in :attr:`decisions`.
+    ``dynamic``); every decision, pinned or not, is counted in :attr:`decisions`, which the
+    engine's ``kv_snapshot`` events carry (``retention_decisions``).
     """
 
     name = "continuum_dy"
@@ -496,3 +497,6 @@ class ContinuumDyRetention(_OneShotRetention):
 
     def decision_rule(self) -> str | None:
         return self._last_rule
+
+    def decision_counts(self) -> dict[str, int]:
+        return dict(self.decisions)

@@ -106,6 +106,9 @@ class KvSnapshot(_Base):
     pinned_blocks: int = Field(ge=0, default=0)
     running: int = Field(ge=0, default=0)
     waiting: int = Field(ge=0, default=0)
+    #: admit decisions per rule of the retention policy so far (e.g. Continuum-Dy's
+    #: cold_start / dynamic); absent for rules with one rule
+    retention_decisions: dict[str, int] | None = None
 
 
 class SchedulerStart(_Base):

@@ -51,6 +51,10 @@ class PressureConfig:
     slowdown_ema_alpha: float = 0.2
     #: Calls of a tool type needed before its baseline is trusted for the slowdown ratio.
     slowdown_min_samples: int = 3
+    #: Tool types whose baseline duration is below this (seconds) give no slowdown samples:
+    #: at that scale the host's scheduling jitter and the event path, not CPU contention,
+    #: set the ratio (a 1 ms tool that takes 3 ms is not a 3x overloaded CPU).
+    slowdown_min_duration_s: float = 0.05
     #: EMA weight of LLM call durations (``request_end``) and prefill launch delays.
     llm_ema_alpha: float = 0.2
     #: Preemptions are counted over this trailing window (seconds).
@@ -244,8 +248,10 @@ class DualPressureState:
             self._anon_seq += 1
             key = f"anon:{self._anon_seq}"
         calls[key] = ts
-        self.tool_starts_total += 1
-        if _get(ev, "cpu_bound", True) is False:
+        if _get(ev, "cpu_bound", True) is not False:
+            # the CPU cap's tool-call rate counts calls that want a core
+            self.tool_starts_total += 1
+        else:
             # a tool that waits (network, sleep) occupies no core: tracked for the session's
             # liveness, not counted as CPU load
             self._light.setdefault(sid, set()).add(key)
@@ -257,6 +263,7 @@ class DualPressureState:
         status = _get(ev, "status", "ok")
         calls = self._open.get(sid)
         call_id = _get(ev, "call_id")
+        light = False
         if calls:
             key = f"id:{call_id}" if call_id is not None else None
             closed = None
@@ -268,15 +275,17 @@ class DualPressureState:
                 closed = (anon or list(calls))[0]
             if closed is not None:
                 del calls[closed]
-                light = self._light.get(sid)
-                if light is not None:
-                    light.discard(closed)
-                    if not light:
+                lights = self._light.get(sid)
+                if lights is not None and closed in lights:
+                    light = True
+                    lights.discard(closed)
+                    if not lights:
                         del self._light[sid]
             if not calls:
                 del self._open[sid]
-        # Interrupted calls were cut short by the agent dying: not a service-time sample.
-        if status != "interrupted" and duration >= 0:
+        # Interrupted calls were cut short by the agent dying: not a service-time sample. A
+        # light tool occupies no core: its duration says nothing about CPU contention.
+        if status != "interrupted" and duration >= 0 and not light:
             self._observe_duration(tool, duration)
 
     def _observe_duration(self, tool: str, duration: float) -> None:
@@ -284,7 +293,8 @@ class DualPressureState:
         self.tool_duration.update(duration)
         self.tool_duration_by_type.setdefault(tool, Ema(c.tool_ema_alpha)).update(duration)
         base = self._tool_baseline.setdefault(tool, Ema(c.tool_baseline_alpha))
-        if base.count >= c.slowdown_min_samples and base.value and base.value > 0:
+        if (base.count >= c.slowdown_min_samples and base.value
+                and base.value >= c.slowdown_min_duration_s):
             self._slowdown.update(duration / base.value)
         base.update(duration)
 

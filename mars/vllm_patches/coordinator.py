@@ -90,7 +90,6 @@ class Coordinator:
         """vLLM is about to admit the call with ``computed`` tokens already in KV (prefix
         hits, also after a preemption): those are not service, so counting starts there."""
         call.seen = computed
-        call.pending = 0
 
     def on_preempted(self, call: EngineCall) -> None:
         # ``seen`` is kept: the cache hits found at re-admission are not service again
@@ -266,4 +265,4 @@ class Coordinator:
             return n
         bs = self._bs
         end = ((computed + max(cap, bs)) // bs) * bs
-        return max(end - computed, bs - computed % bs)
+        return min(n, max(end - computed, bs - computed % bs))

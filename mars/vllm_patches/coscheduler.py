@@ -16,10 +16,10 @@ Four rules, each applied where vLLM asks how many tokens a request gets
 * **Reclaim before anything waits or is preempted**: pins go, least valuable first
   (``RetentionPolicy.reclaim_rank``), when a running call needs blocks (before vLLM preempts
   anyone) *and* when a waiting call cannot be admitted for lack of blocks (before the step
-  gives up on it). The waiting call's own session's pin is never reclaimed for it: it is that
-  call's cache hit, not a competitor. This is the **liveness rule**: with nothing running, a
-  waiting call is never blocked by pins, so no state with waiting > 0, running = 0 and
-  pinned > 0 outlasts one step, for every policy that pins.
+  gives up on it). The waiting call's own session's pin goes last: it is mostly that call's
+  cache hit, and frees room only where the new prompt does not reuse it. This is the
+  **liveness rule**: a waiting call is never blocked by pins, so no state with waiting > 0,
+  running = 0 and pinned > 0 outlasts one step, for every policy that pins.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class CoScheduler:
         self._round_end: OrderedDict[str, tuple[float, str | None]] = OrderedDict()
         #: the request whose blocks the latest pin took (its gpu_end frees nothing)
         self.last_pinned: str | None = None
+        #: per session, its latest call still in the engine (rounds may overlap)
+        self._latest: dict[str, EngineCall] = {}
 
     @property
     def active(self) -> bool:
@@ -105,24 +107,40 @@ class CoScheduler:
     def admission(self, request: Request, computed: int, n: int, running: int,
                   session_id: str | None, now: float) -> int:
         """A waiting or preempted call is about to be admitted with ``n`` new tokens and
-        ``computed`` tokens hit in the cache: reclaim pins it needs, then apply headroom."""
+        ``computed`` tokens hit in the cache: reclaim pins it needs, then apply headroom.
+
+        vLLM's allocation takes the blocks the sequence still needs *and* the hit blocks that
+        sit in the free queue (unreferenced cached blocks), so the call fits iff
+        ``free >= blocks(sequence) - referenced hit blocks``; releasing a pin whose blocks
+        are this call's hits frees no room for it."""
         bs = self._bs
-        need = -(-(request.num_tokens - computed + self._lookahead) // bs)
         free = self._pool.get_num_free_blocks()
         headroom = self.headroom
         reserve = headroom.reserve_blocks(running, bs) if (headroom and running) else 0
-        if running == 0:
-            # liveness: nothing runs, so nothing else will free memory; the cached part of
-            # the prompt may sit in free-queue blocks the allocation takes too, so ask for
-            # room for the whole sequence (over-asking frees pins a little early, harmless)
-            need = -(-(request.num_tokens + self._lookahead) // bs) + 1
-        if free < need + reserve and len(self.pins):
-            self.reclaim(need + reserve, now, exclude=session_id)
+        total = -(-(request.num_tokens + self._lookahead) // bs)
+        hits: list = []
+        if free < total + reserve and computed >= bs:
+            hits = self._hit_blocks(request)
+
+        def need() -> int:
+            return total - sum(1 for b in hits if b.ref_cnt > 0)
+
+        if free < need() + reserve and len(self.pins):
+            self._counters["reclaimed_for_admission"] += 1
+            self.reclaim(lambda: self._pool.get_num_free_blocks() >= need() + reserve, now,
+                         last=session_id)
             free = self._pool.get_num_free_blocks()
-        if headroom is not None and running and not headroom.allows(free, need, running, bs):
+        if headroom is not None and running and not headroom.allows(free, need(), running, bs):
             self._counters["held_back"] += 1
             return 0  # vLLM stops admitting for this step
         return n
+
+    def _hit_blocks(self, request: Request) -> list:
+        """The blocks of the request's prefix-cache hit (the lookup vLLM just made)."""
+        try:
+            return list(self._kvm.get_computed_blocks(request)[0].blocks[0])
+        except (AttributeError, IndexError):
+            return []
 
     def running_chunk(self, request: Request, computed: int, n: int, prefill: bool,
                       session_id: str | None, round_: int | None, now: float) -> int:
@@ -146,22 +164,25 @@ class CoScheduler:
                            requested_tokens=n, granted_tokens=granted)
                 return granted
         if len(self.pins):
-            self.reclaim(-(-(computed + n) // bs) - held, now)
+            need_free = -(-(computed + n) // bs) - held
+            self.reclaim(lambda: self._pool.get_num_free_blocks() >= need_free, now)
         return n
 
     # ------------------------------------------------------------------ pins
-    def reclaim(self, need_free: int, now: float, exclude: str | None = None,
+    def reclaim(self, enough: Callable[[], bool], now: float, last: str | None = None,
                 running: int = 0, waiting: int = 0) -> None:
-        """Release pins, least valuable first, until ``need_free`` blocks are free."""
-        pool = self._pool
-        if pool.get_num_free_blocks() >= need_free:
+        """Release pins, least valuable first, until ``enough()``. The pin of session
+        ``last`` (a waiting call's own session: its context is that call's cache hit) goes
+        only after every other one, as a last resort: its blocks free room only where the
+        new prompt does not reuse them (a rewritten history, the partial tail block)."""
+        if enough():
             return
         kv = self.pressure(running, waiting)
         rank = self.retention.reclaim_rank
-        order = sorted((p for p in self.pins.pins() if p.cand.session_id != exclude),
-                       key=lambda p: rank(p.cand, kv, now))
+        order = sorted(self.pins.pins(),
+                       key=lambda p: (p.cand.session_id == last, rank(p.cand, kv, now)))
         for pin in order:
-            if pool.get_num_free_blocks() >= need_free:
+            if enough():
                 break
             self.unpin(pin.cand.session_id, "pressure", now)
 
@@ -213,11 +234,19 @@ class CoScheduler:
         cand = PinCandidate(session_id=meta.job_id, blocks=own,
                             context_tokens=request.num_tokens, tool=meta.next_tool,
                             started=now)
+        nxt = self._latest.get(meta.job_id)
+        resumed_by = None
+        if nxt is not None and nxt.request_id != request.request_id:
+            # the next round arrived before this one ended (overlapping rounds)
+            if nxt.req.status == RequestStatus.RUNNING:
+                return False  # already admitted: nobody will resume from this pin
+            resumed_by = nxt.request_id
         tau = self.retention.admit(cand, self.pressure(running, waiting), now)
         if tau <= 0:
             return False
         held = self._kvm.pop_blocks_for_free(request)
-        old = self.pins.add(PinnedRound(cand=cand, blocks=held, tau_s=tau, pinned_at=now))
+        old = self.pins.add(PinnedRound(cand=cand, blocks=held, tau_s=tau, pinned_at=now,
+                                        resumed_by=resumed_by))
         if old is not None:
             self._emit("unpin", session_id=meta.job_id, blocks=old.num_blocks,
                        reason="resumed", held_s=max(now - old.pinned_at, 0.0))
@@ -237,6 +266,7 @@ class CoScheduler:
             # the gap between two rounds is the tool phase (plus client overhead)
             end_ts, tool = ended
             self.retention.observe_tool(call.meta.prev_tool or tool, max(now - end_ts, 0))
+        self._latest[sid] = call
         pin = self.pins.get(sid)
         if pin is not None:
             pin.resumed_by = call.request_id
@@ -259,6 +289,8 @@ class CoScheduler:
         if meta is None or meta.job_id is None:
             return
         sid = meta.job_id
+        if self._latest.get(sid) is call:
+            del self._latest[sid]
         pin = self.pins.get(sid)
         if meta.last_round:
             self._round_end.pop(sid, None)

@@ -75,7 +75,7 @@ class MarsSchedulerMixin:
         )
         self.mars_counters = {"submitted": 0, "finished": 0, "preempted": 0, "steps": 0,
                               "shrunk": 0, "yielded": 0, "held_back": 0, "pinned": 0,
-                              "unpinned": 0}
+                              "unpinned": 0, "reclaimed_for_admission": 0}
         pool = self.kv_cache_manager.block_pool
         self._mars_pool = pool
         total = pool.num_gpu_blocks - 1  # the null block is never handed out
@@ -132,7 +132,7 @@ class MarsSchedulerMixin:
 
     # ----------------------------------------------------------------- helpers
     def _mars_emit(self, kind: str, **fields) -> None:
-        self.mars_events.publish(make_event(kind, **fields))
+        self.mars_events.publish(make_event(kind, ts=self.mars_clock(), **fields))
 
     @staticmethod
     def _mars_meta(request: Request) -> SessionMeta:
@@ -154,6 +154,7 @@ class MarsSchedulerMixin:
             pinned_blocks=self.mars_cosched.pins.pinned_blocks,
             running=len(self.running),
             waiting=self._mars_num_waiting(),
+            retention_decisions=self.mars_cosched.retention.decision_counts() or None,
         ))
 
     def _mars_measure_step(self, now: float) -> None:
@@ -209,8 +210,9 @@ class MarsSchedulerMixin:
                 c = calls.get(new.req_id)
                 if c is None or c.first_sched is not None:
                     continue
-                # computed tokens at admission of a fresh request = its prefix-cache hit
-                c.cached_tokens = new.num_computed_tokens
+                # computed tokens at admission of a fresh request = its prefix-cache hit;
+                # service is counted from there (also for policies without the hook)
+                c.cached_tokens = c.seen = new.num_computed_tokens
                 c.first_sched = now
                 self._mars_awaiting_first[c.request_id] = c
                 cosched.on_admitted(c, now)
@@ -302,6 +304,10 @@ class MarsSchedulerMixin:
         rid = request.request_id
         blocks = self.mars_cosched.blocks_of(rid)
         result = super()._free_request(request, *args, **kwargs)
+        if not self.requests:
+            # the engine goes idle (EngineCore stops stepping): the gap until the next step
+            # is no step's duration
+            self._mars_last_step = None
         now = self.mars_clock()
         call = self.mars_calls.pop(rid, None)
         if call is not None and rid in self._mars_awaiting_first and request.num_output_tokens:
@@ -313,7 +319,7 @@ class MarsSchedulerMixin:
         self.mars_cosched.on_finished(call, rid, now)
         self.mars_counters["finished"] += 1
         self.mars_events.publish(make_event(
-            "gpu_end", session_id=meta.job_id, request_id=rid,
+            "gpu_end", ts=now, session_id=meta.job_id, request_id=rid,
             round=meta.round, freed_blocks=0 if pinned_now else blocks,
             output_tokens=request.num_output_tokens,
             status=request.status.name.lower(),
@@ -329,7 +335,8 @@ class MarsSchedulerMixin:
         meta = call.meta if call is not None else self._mars_meta(request)
         self.mars_counters["preempted"] += 1
         self.mars_events.publish(make_event(
-            "preempt", session_id=meta.job_id, request_id=request.request_id,
+            "preempt", ts=self.mars_clock(), session_id=meta.job_id,
+            request_id=request.request_id,
             round=meta.round, blocks=blocks, level=self.mars_coord.level_of(request.request_id),
         ))
 
