@@ -382,7 +382,9 @@ def test_random_disconnects_never_leak_a_slot(server, admit):
     # call is decoding in the engine (it has streamed tokens): that generation must be aborted
     # there, not left running
     async def known_inside() -> None:
-        body = {"model": MODEL, "prompt": [9, 9, 77], "max_tokens": 1000,
+        # ~15K tokens take the tiny model ~25 s alone; the abort lands within a second or two
+        # (measured: 0.65 s, 419 tokens), so the generation cannot finish first
+        body = {"model": MODEL, "prompt": [9, 9, 77], "max_tokens": 15_000,
                 "ignore_eos": True, "stream": True,
                 "vllm_xargs": {"job_id": "dc-known", "last_round": True}}
         async with httpx.AsyncClient(timeout=60) as client:
@@ -401,7 +403,7 @@ def test_random_disconnects_never_leak_a_slot(server, admit):
                if e.get("session_id") == "dc-known" and e["kind"] == "gpu_end"]
         return evs[-1]["status"] if evs else None
 
-    status = _wait(known_status, timeout_s=20)
+    status = _wait(known_status, timeout_s=30)
     assert status and "abort" in status, status
     st = _wait(lambda: (lambda s: s if (s["admitted"], s["queued"], s["inflight"]) == (0, 0, 0)
                         else None)(admit.state()), timeout_s=20)

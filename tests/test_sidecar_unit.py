@@ -77,7 +77,8 @@ def down():
     from mars.sidecar.process import SidecarProcess
 
     with SidecarProcess(f"http://127.0.0.1:{free_port()}",
-                        ["--admission", "on", "--engine-events", "none", "--retry-after", "3"]) as sc:
+                        ["--admission", "on", "--engine-events", "none", "--retry-after", "3",
+                         "--max-body-bytes", str(1 << 20)]) as sc:
         yield sc
 
 
@@ -128,6 +129,10 @@ def test_malformed_generation_request_is_400_not_forwarded(down):
     (json.dumps([{"kind": "tool_end", "ts": 1.0, "session_id": "s", "tool": "bash"}]).encode(),
      "duration_s"),
     (json.dumps([{"kind": "no_such_kind", "ts": 1.0}]).encode(), "kind"),
+    # non-finite numbers never enter the control state (they used to poison the EMAs)
+    (b'[{"kind": "tool_end", "ts": 1.0, "session_id": "s", "tool": "bash", '
+     b'"duration_s": Infinity}]', "duration_s"),
+    (b'[{"kind": "tool_start", "ts": NaN, "session_id": "s", "tool": "bash"}]', "ts"),
     (json.dumps([{"kind": "kv_snapshot", "ts": 1.0, "total_blocks": 1, "free_blocks": 1,
                   "used_blocks": 0}]).encode(), "cannot be posted"),
 ])
@@ -139,6 +144,7 @@ def test_malformed_events_are_400_and_counted(down, payload, needle):
     metrics = httpx.get(down.url + "/metrics").text
     assert "mars_sidecar_events_rejected_total" in metrics
     assert httpx.get(down.url + "/v1/mars/health").status_code == 200
+    assert httpx.get(down.url + "/v1/mars/state").status_code == 200  # still serialisable
 
 
 def test_tool_events_reach_state_and_stream(down):
@@ -177,3 +183,29 @@ def test_tool_events_reach_state_and_stream(down):
 def test_bad_stream_query_is_400(down):
     r = httpx.get(down.url + "/v1/mars/events/stream", params={"max_events": "lots"})
     assert r.status_code == 400 and "max_events" in _error(r)["message"]
+
+
+def test_hostile_bodies_get_4xx_and_the_sidecar_keeps_serving(down):
+    """Deep nesting, lone surrogates and oversized bodies are the client's error (4xx with a
+    message), never a 500, and nothing is admitted for them."""
+    deep = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(down.url + "/v1/completions", content=deep,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in _error(r)["message"]
+    r = httpx.post(down.url + "/v1/mars/events", content=b"[" * 100_000 + b"]" * 100_000,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in _error(r)["message"]
+    # a lone surrogate in a body the sidecar must rewrite (session from the header)
+    r = httpx.post(down.url + "/v1/completions", content=b'{"prompt": "\\ud800 hi"}',
+                   headers={"content-type": "application/json", "x-session-id": "sur"})
+    assert r.status_code == 400 and "surrogate" in _error(r)["message"], r.text
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    r = httpx.post(down.url + "/v1/completions", content=big,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-body-bytes" in _error(r)["message"]
+    r = httpx.post(down.url + "/v1/mars/events", content=big,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    st = httpx.get(down.url + "/v1/mars/state").json()
+    assert st["admitted"] == 0 and st["queued"] == 0
+    assert httpx.get(down.url + "/v1/mars/health").status_code == 200

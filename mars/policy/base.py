@@ -36,7 +36,8 @@ class CallView:
     prompt_tokens: int
     #: tokens whose KV is computed (prefill progress + decoded tokens)
     computed_tokens: int
-    #: tokens that hit the prefix cache at admission (not service this call paid for)
+    #: prefix-cache hit: expected (a lookup at arrival) while waiting, actual once admitted;
+    #: never service this call paid for
     cached_tokens: int
     output_tokens: int
     max_tokens: int
@@ -50,7 +51,8 @@ class CallView:
 
 @dataclass(slots=True)
 class CallRecord(CallView):
-    """A plain :class:`CallView` (tests, offline tools)."""
+    """A plain :class:`CallView` (tests, offline tools); the fields are redeclared because a
+    dataclass only takes fields from dataclass bases."""
 
     request_id: str
     session_id: str | None

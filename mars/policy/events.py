@@ -39,7 +39,9 @@ CONTROL_KINDS = ("window_update", "session_admit", "session_end", "request_start
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    #: every number that enters the control state must be finite: one ``Infinity`` duration
+    #: used to turn the tool-duration EMA into inf, then NaN, and the state unserialisable
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     v: int = SCHEMA_VERSION
     ts: float = Field(description="Unix time in seconds at the producer")
     session_id: str | None = None

@@ -143,12 +143,33 @@ class Sidecar:
                                     status=status, duration_s=dt), "control")
         self.control.finish(session, outcome)
 
+    async def read_body(self, request: Request) -> bytes | Response:
+        """The request body, or a 413 once it exceeds ``max_body_bytes`` (checked against the
+        declared length first, then while reading: an oversized body is never held whole)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_big = openai_error(413, f"request body exceeds the sidecar's limit of {limit} bytes"
+                                    " (--max-body-bytes)")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            self.metrics.bad_requests.inc()
+            return too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                self.metrics.bad_requests.inc()
+                return too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def generate(self, request: Request) -> Response:
         """A chat / completion request: session identity, admission, forwarding."""
         t0 = time.perf_counter()
         scope = request.scope
         route = scope["path"]
-        body = await request.body()
+        body = await self.read_body(request)
+        if isinstance(body, Response):
+            return self._answer(route, body)
         try:
             info = parse_generate(body, request.headers)
         except BadRequest as exc:
@@ -219,7 +240,9 @@ class Sidecar:
         """Anything else (models, health, tokenize, ...): forwarded as is, no admission."""
         scope = request.scope
         route = "other"
-        body = await request.body()
+        body = await self.read_body(request)
+        if isinstance(body, Response):
+            return self._answer(route, body)
         watch = DisconnectWatch(request.receive)
         handed_over = False
         try:
@@ -248,7 +271,9 @@ class Sidecar:
 
     # ------------------------------------------------------------------ mars endpoints
     async def post_events(self, request: Request) -> Response:
-        body = await request.body()
+        body = await self.read_body(request)
+        if isinstance(body, Response):
+            return body
         try:
             if not body:
                 raise EventError("empty body: expected a JSON list of events")
@@ -256,6 +281,8 @@ class Sidecar:
                 raw = json.loads(body)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise EventError(f"malformed JSON: {exc}") from None
+            except RecursionError:
+                raise EventError("malformed JSON: nested too deeply") from None
             if isinstance(raw, dict):
                 raw = [raw]
             if isinstance(raw, list) and len(raw) > MAX_EVENT_BATCH:

@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="upstream connect timeout in seconds (default: %(default)s)")
     u.add_argument("--read-timeout", type=float, default=None,
                    help="upstream read timeout in seconds (default: none)")
+    u.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted; larger gets 413 (default: %(default)s)")
     u.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="upstream connection pool size (default: %(default)s)")
     u.add_argument("--no-upstream-metrics", action="store_true",
@@ -131,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         upstream_client=args.upstream_client,
         retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout, max_connections=args.max_connections,
+        max_body_bytes=args.max_body_bytes,
         merge_upstream_metrics=not args.no_upstream_metrics, parent_pid=args.parent_pid,
         log_level=args.log_level, access_log=args.access_log)
 

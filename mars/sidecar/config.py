@@ -63,6 +63,9 @@ class SidecarConfig:
     #: read timeout for upstream responses; None = wait as long as the generation takes
     read_timeout_s: float | None = None
     max_connections: int = 2048
+    #: largest request body accepted (bytes); larger ones get 413 before they are read whole
+    #: (a 262K-token prompt is ~2 MB as token ids; 64 MiB leaves room for base64 images)
+    max_body_bytes: int = 64 << 20
     #: seconds clients are told to wait in Retry-After (429 / 503)
     retry_after_s: int = 1
 
@@ -94,5 +97,7 @@ class SidecarConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.upstream_client not in ("fast", "httpx"):
             raise ValueError("upstream_client must be 'fast' or 'httpx'")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
         if self.retry_after_s < 0 or self.max_connections < 1 or self.sse_queue < 1:
             raise ValueError("retry_after_s must be >= 0, max_connections and sse_queue >= 1")

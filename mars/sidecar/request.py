@@ -66,7 +66,8 @@ class GenerateRequest:
             if all(isinstance(p, list) for p in prompt):
                 return sum(len(p) for p in prompt)
         if isinstance(prompt, str):
-            return int(len(prompt.encode()) / bytes_per_token) + 1
+            # surrogatepass: an estimate must not fail on a lone surrogate (vLLM answers it)
+            return int(len(prompt.encode("utf-8", "surrogatepass")) / bytes_per_token) + 1
         return int(len(self.body) / bytes_per_token) + 1
 
 
@@ -85,6 +86,8 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON body: nested too deeply") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"expected a JSON object, got {type(obj).__name__}")
     xargs = obj.get("vllm_xargs")
@@ -118,5 +121,11 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
         new_xargs = dict(xargs or {})
         new_xargs["job_id"] = sid
         obj["vllm_xargs"] = new_xargs
-        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise BadRequest(f"the body is not valid Unicode ({exc.reason} at character "
+                             f"{exc.start} of a string): lone surrogates cannot be encoded")
+        except RecursionError:
+            raise BadRequest("malformed JSON body: nested too deeply") from None
     return GenerateRequest(sid, source, rnd, last, body, obj)
