@@ -92,7 +92,7 @@ def _register_optional(sub) -> None:
     import importlib
 
     for mod in ("mars.workloads.cli", "mars.workloads.replay_cli", "mars.sidecar.cli",
-                "mars.bench", "mars.demo", "mars.openhands_cli"):
+                "mars.bench", "mars.demo", "mars.openhands_cli", "mars.emulate.cli"):
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:
