@@ -141,7 +141,7 @@ class Driver:
             self.running_samples.append(len(out.num_scheduled_tokens))
             self.waiting_samples.append(len(sched.waiting))
             self.tokens_samples.append(out.total_num_scheduled_tokens)
-        self.loop.on_finished(engine._collect(eco), record=record)
+        self.loop.on_finished(engine.collect_finished(eco), record=record)
 
     def drain_events(self) -> None:
         if self.engine.is_mars:

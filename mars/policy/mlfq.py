@@ -231,7 +231,7 @@ class WindowedMLFQ(OrderingPolicy):
         lvl = self._base_of(call)
         L1 = self._L1
         rid = call.request_id
-        sid = call.session_id
+        sid = call.session_id  # self._owner(call), inlined: key runs per call per tick
         svc = self._service.get(sid if (sid is not None and self._per_session) else rid)
         if svc is not None:
             s = svc.total

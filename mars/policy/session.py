@@ -76,6 +76,13 @@ def tool_value(v: Any, where: str) -> str | None:
     return v
 
 
+#: field -> its rule (built once: both the sidecar and the engine parse on every request)
+_RULES = (("job_id", lambda v: session_id_value(v, "vllm_xargs.job_id")),
+          ("round", round_value), ("last_round", flag_value),
+          ("next_tool", lambda v: tool_value(v, "vllm_xargs.next_tool")),
+          ("prev_tool", lambda v: tool_value(v, "vllm_xargs.prev_tool")))
+
+
 @dataclass(slots=True)
 class SessionMeta:
     """Per-call session metadata, as carried in ``vllm_xargs``.
@@ -101,11 +108,7 @@ class SessionMeta:
         missing ``job_id``. Strict: raise :class:`SessionMetaError`; lenient: drop bad fields."""
         extra = extra or {}
         fields: dict[str, Any] = {}
-        rules = (("job_id", lambda v: session_id_value(v, "vllm_xargs.job_id")),
-                 ("round", round_value), ("last_round", flag_value),
-                 ("next_tool", lambda v: tool_value(v, "vllm_xargs.next_tool")),
-                 ("prev_tool", lambda v: tool_value(v, "vllm_xargs.prev_tool")))
-        for name, rule in rules:
+        for name, rule in _RULES:
             v = extra.get(name)
             if v is None:
                 continue

@@ -148,19 +148,20 @@ class Sidecar:
         declared length first, then while reading: an oversized body is never held whole)."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
-        too_big = openai_error(413, f"request body exceeds the sidecar's limit of {limit} bytes"
-                                    " (--max-body-bytes)")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            self.metrics.bad_requests.inc()
-            return too_big
+            return self._too_big(limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                self.metrics.bad_requests.inc()
-                return too_big
+                return self._too_big(limit)
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def _too_big(self, limit: int) -> Response:
+        self.metrics.bad_requests.inc()
+        return openai_error(413, f"request body exceeds the sidecar's limit of {limit} bytes "
+                                 "(--max-body-bytes)")
 
     async def generate(self, request: Request) -> Response:
         """A chat / completion request: session identity, admission, forwarding."""

@@ -94,12 +94,14 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
     if xargs is not None and not isinstance(xargs, dict):
         raise BadRequest("vllm_xargs must be a JSON object", param="vllm_xargs")
 
-    sid: str | None = None
-    source: str | None = None
-    job = xargs.get("job_id") if xargs else None
-    if job is not None:
-        sid, source = _session_value(job, "vllm_xargs.job_id"), "vllm_xargs"
-    else:
+    try:
+        # the one rule set for session metadata (the engine reads it leniently)
+        meta = SessionMeta.parse(xargs, strict=True)
+    except SessionMetaError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+    sid: str | None = meta.job_id
+    source: str | None = "vllm_xargs" if sid is not None else None
+    if sid is None:
         body_sid = obj.get("session_id")
         if body_sid is not None:
             sid, source = _session_value(body_sid, "session_id"), "body"
@@ -110,11 +112,6 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
                     sid, source = _session_value(v.strip(), h), h
                     break
 
-    try:
-        # the one rule set for session metadata (the engine reads it leniently)
-        meta = SessionMeta.parse(xargs, strict=True)
-    except SessionMetaError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
     rnd, last = meta.round, meta.last_round
 
     if sid is not None and source != "vllm_xargs":

@@ -69,7 +69,7 @@ class Coordinator:
         self._wkeys: list[tuple] = []
         self._wdemand: list[int] = []
         self._stats = step_stats
-        self._interference = interference if (prefill_yield and step_stats) else 0.0
+        self._interference = interference if (self.prefill_yield and step_stats) else 0.0
         #: key of the best running decode this step (None: none, or not looked for yet)
         self._best_decode: tuple | None = None
         self._best_decode_level: int | None = None
@@ -147,6 +147,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ order
     def sort(self, running: list[Request], waiting) -> None:
+        """Once per step, before vLLM's loop: the order it will serve and preempt by."""
+        self._decode_scanned = False  # the best running decode is looked up again this step
         if not self.active:
             return
         keyf = self._sortkey
@@ -226,9 +228,6 @@ class Coordinator:
         floor = bs - (computed % bs)  # at least up to the next block boundary
         granted = max(keep, floor)
         return granted if granted < n else n
-
-    def step_begin(self) -> None:
-        self._decode_scanned = False
 
     def interference_cap(self, request: Request, computed: int, n: int,
                          running: list[Request]) -> int:

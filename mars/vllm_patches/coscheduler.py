@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
@@ -74,7 +73,7 @@ class CoScheduler:
         return self.shrink_on or self.pin_on or self.headroom is not None
 
     # ------------------------------------------------------------------ state
-    def pressure(self, running: int, waiting: int) -> KvPressure:
+    def pressure(self, running: int = 0, waiting: int = 0) -> KvPressure:
         return KvPressure(
             total_blocks=self.total_blocks,
             free_blocks=self._pool.get_num_free_blocks(),
@@ -95,13 +94,16 @@ class CoScheduler:
             total += -(-(r.num_tokens - hit) // bs)
         self.waiting_demand_blocks = total
 
-    def blocks_of(self, request_id: str) -> int:
-        # the first (full-attention) group's block list, without building id lists
+    def _blocks(self, request_id: str):
+        """The request's blocks in the first (full-attention) group, without copying."""
         try:
-            mgr = self._kvm.coordinator.single_type_managers[0]
-            return len(mgr.req_to_blocks.get(request_id, ()))
+            return self._kvm.coordinator.single_type_managers[0].req_to_blocks.get(
+                request_id, ())
         except (AttributeError, IndexError):
-            return 0
+            return ()
+
+    def blocks_of(self, request_id: str) -> int:
+        return len(self._blocks(request_id))
 
     # ------------------------------------------------------------------ step rules
     def admission(self, request: Request, computed: int, n: int, running: int,
@@ -169,15 +171,14 @@ class CoScheduler:
         return n
 
     # ------------------------------------------------------------------ pins
-    def reclaim(self, enough: Callable[[], bool], now: float, last: str | None = None,
-                running: int = 0, waiting: int = 0) -> None:
+    def reclaim(self, enough: Callable[[], bool], now: float, last: str | None = None) -> None:
         """Release pins, least valuable first, until ``enough()``. The pin of session
         ``last`` (a waiting call's own session: its context is that call's cache hit) goes
         only after every other one, as a last resort: its blocks free room only where the
         new prompt does not reuse them (a rewritten history, the partial tail block)."""
         if enough():
             return
-        kv = self.pressure(running, waiting)
+        kv = self.pressure()
         rank = self.retention.reclaim_rank
         order = sorted(self.pins.pins(),
                        key=lambda p: (p.cand.session_id == last, rank(p.cand, kv, now)))
@@ -221,11 +222,7 @@ class CoScheduler:
         if (not self.pin_on or meta is None or meta.job_id is None or meta.last_round
                 or request.status not in _PINNABLE or not can_free):
             return False
-        try:
-            mgr = self._kvm.coordinator.single_type_managers[0]
-            blocks = mgr.req_to_blocks.get(request.request_id, ())
-        except (AttributeError, IndexError):
-            return False
+        blocks = self._blocks(request.request_id)
         if not blocks:
             return False
         # charge only what this pin alone keeps: a block another request or pin references
@@ -306,6 +303,3 @@ class CoScheduler:
         pin = self.pins.get(sid)
         if pin is not None and pin.resumed_by == request_id:
             self.unpin(sid, "finished", now)  # its next round ended unadmitted
-
-    def counts(self) -> dict[str, Any]:
-        return {"pins": len(self.pins), "pinned_blocks": self.pins.pinned_blocks}

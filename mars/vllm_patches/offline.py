@@ -221,9 +221,10 @@ class OfflineEngine:
         if isinstance(self.clock, VirtualClock):
             self.clock.advance(self._step_time(out))
         self.steps += 1
-        return self._collect(eco)
+        return self.collect_finished(eco)
 
-    def _collect(self, eco) -> list[str]:
+    def collect_finished(self, eco) -> list[str]:
+        """Record the requests an ``update_from_output`` result finished; their ids."""
         finished = []
         for outs in eco.values():
             for o in outs.outputs:

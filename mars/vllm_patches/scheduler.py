@@ -183,7 +183,6 @@ class MarsSchedulerMixin:
                 cosched.refresh_demand(self.waiting, self.mars_calls)
                 cosched.judge(now, len(self.running), len(self.waiting))
         coord.sort(self.running, self.waiting)
-        coord.step_begin()
         # whether this step's allocations cannot run out of blocks whatever they are (every
         # running call takes at most a couple of blocks, plus the whole token budget as
         # prefill): then no decode can need a pin reclaimed, and decodes skip the hook
