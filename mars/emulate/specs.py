@@ -6,12 +6,17 @@ Sources (docs/emulation.md has the full table):
   sparsity, so dense = half. Cross-checked against copies in inference-sim
   (``hardware_config.json``) and simllm (``simllm/compute/transformer.py``).
 * Models: the official Hugging Face ``config.json`` of Qwen/Qwen3-Coder-30B-A3B-Instruct and
-  openai/gpt-oss-120b (field names quoted next to each spec below).
+  openai/gpt-oss-120b. The fields that shape compute and KV cache are shipped, without
+  weights, in ``mars/emulate/hf_configs/`` and every :class:`ModelSpec` is read from there
+  (:func:`model_from_hf_config`): the step-time model and the emulated executor's KV cache
+  specs come from the same file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from importlib import resources
 
 GIB = 1 << 30
 
@@ -65,6 +70,10 @@ class ModelSpec:
     expert_weight_bytes: float = 2.0
     #: bytes per KV cache element (bf16 2, fp8 1)
     kv_bytes: float = 2.0
+    #: the model's Hugging Face id (the emulated server's default served name)
+    hf_id: str = ""
+    #: indices of the sliding-window layers (``layer_types`` in config.json)
+    sliding_layer_ids: tuple[int, ...] = field(default=(), repr=False)
 
     # ------------------------------------------------------------------ derived shapes
     @property
@@ -144,26 +153,66 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("h200-nvl", 835.0, 1671.0, 4.8, 141.0),
 )}
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (
-    # Qwen/Qwen3-Coder-30B-A3B-Instruct config.json: hidden_size 2048, num_hidden_layers 48,
-    # num_attention_heads 32, num_key_value_heads 4, head_dim 128, moe_intermediate_size 768,
-    # num_experts 128, num_experts_per_tok 8, decoder_sparse_step 1 / mlp_only_layers [] (every
-    # layer MoE), vocab_size 151936, max_position_embeddings 262144, tie_word_embeddings
-    # false, torch_dtype bfloat16
-    ModelSpec("qwen3-coder-30b-a3b", num_layers=48, hidden=2048, num_heads=32,
-              num_kv_heads=4, head_dim=128, vocab=151936, max_model_len=262144,
-              num_experts=128, experts_per_token=8, expert_intermediate=768),
-    # openai/gpt-oss-120b config.json: hidden_size 2880, num_hidden_layers 36,
-    # num_attention_heads 64, num_key_value_heads 8, head_dim 64, intermediate_size 2880 (per
-    # expert), num_local_experts 128, num_experts_per_tok 4, sliding_window 128, layer_types
-    # alternating sliding_attention / full_attention (18 + 18), vocab_size 201088,
-    # max_position_embeddings 131072, quantization_config mxfp4 except self_attn, router,
-    # embed_tokens and lm_head
-    ModelSpec("gpt-oss-120b", num_layers=36, hidden=2880, num_heads=64, num_kv_heads=8,
-              head_dim=64, vocab=201088, max_model_len=131072, num_experts=128,
-              experts_per_token=4, expert_intermediate=2880, sliding_window=128,
-              sliding_layers=18, expert_weight_bytes=0.53125),
-)}
+#: bytes per parameter of MXFP4: 4-bit values plus one 8-bit scale per 32 (OCP MX spec)
+MXFP4_BYTES = 0.53125
+_WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
+
+
+def model_from_hf_config(name: str, cfg: dict) -> ModelSpec:
+    """A :class:`ModelSpec` from a Hugging Face ``config.json`` (decoder-only, dense or MoE,
+    optionally with sliding-window layers). Raises ValueError on a layout it cannot price
+    (e.g. MoE on only some layers) rather than pricing it wrongly."""
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads", heads))
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        vocab = int(cfg["vocab_size"])
+        max_len = int(cfg["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: config.json lacks a usable {exc}") from None
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
+        raise ValueError(f"{name}: MoE on only some layers is not modelled")
+    expert_width = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) \
+        if experts else 0
+    kinds = cfg.get("layer_types") or ["full_attention"] * layers
+    if len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{name}: layer_types must name {layers} full/sliding attention layers")
+    sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+    window = int(cfg["sliding_window"]) if sliding else None
+    weight_bytes = _WEIGHT_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2.0)
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise ValueError(f"{name}: quantization {quant!r} is not modelled")
+    return ModelSpec(
+        name, num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab=vocab, max_model_len=max_len,
+        dense_intermediate=0 if experts else int(cfg.get("intermediate_size", 0)),
+        num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok", 0)),
+        expert_intermediate=expert_width, sliding_window=window,
+        sliding_layers=len(sliding), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
+        weight_bytes=weight_bytes,
+        # MXFP4 covers the experts only (modules_to_not_convert: attention, router,
+        # embeddings, lm_head)
+        expert_weight_bytes=MXFP4_BYTES if quant == "mxfp4" else weight_bytes,
+        hf_id=str(cfg.get("_name_or_path", "")), sliding_layer_ids=sliding)
+
+
+def hf_config(name: str) -> dict:
+    """The shipped ``config.json`` fields of model ``name``."""
+    text = resources.files("mars.emulate").joinpath("hf_configs", f"{name}.json").read_text()
+    return json.loads(text)
+
+
+#: Qwen/Qwen3-Coder-30B-A3B-Instruct: 48 layers, hidden 2048, 32 heads / 4 KV heads x 128,
+#: every layer MoE (128 experts, 8 active, 768 wide), vocab 151936, 262144 positions, bf16.
+#: openai/gpt-oss-120b: 36 layers, hidden 2880, 64 heads / 8 KV heads x 64, 128 experts
+#: (4 active, 2880 wide, MXFP4), sliding window 128 on the 18 even layers, vocab 201088,
+#: 131072 positions.
+MODELS: dict[str, ModelSpec] = {
+    n: model_from_hf_config(n, hf_config(n)) for n in ("qwen3-coder-30b-a3b", "gpt-oss-120b")}
 
 
 def get_gpu(name: str) -> GpuSpec:

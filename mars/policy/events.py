@@ -111,6 +111,9 @@ class KvSnapshot(_Base):
     #: admit decisions per rule of the retention policy so far (e.g. Continuum-Dy's
     #: cold_start / dynamic); absent for rules with one rule
     retention_decisions: dict[str, int] | None = None
+    #: on an emulated GPU, its pacer's running totals (mars/emulate/pacing.py: steps,
+    #: modeled_s, host_cpu_s, late_steps, late_s); absent on real hardware
+    emulated: dict[str, float] | None = None
 
 
 class SchedulerStart(_Base):

@@ -32,6 +32,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from mars.emulate.pacing import active_stats
 from mars.policy.base import SessionMeta
 from mars.policy.events import make_event
 from mars.policy.registry import get_policy, with_config
@@ -148,6 +149,7 @@ class MarsSchedulerMixin:
         after the step's bookkeeping, so the lists may still hold it)."""
         free = self._mars_pool.get_num_free_blocks()
         total = self.mars_cosched.total_blocks
+        emu = active_stats()  # on an emulated GPU: its pacer's totals
         self.mars_events.publish(make_event(
             "kv_snapshot", ts=now,
             total_blocks=total,
@@ -157,6 +159,7 @@ class MarsSchedulerMixin:
             running=0 if idle else len(self.running),
             waiting=0 if idle else self._mars_num_waiting(),
             retention_decisions=self.mars_cosched.retention.decision_counts() or None,
+            **({"emulated": emu.as_dict()} if emu is not None else {}),
         ))
 
     def _mars_measure_step(self, now: float) -> None:

@@ -71,6 +71,17 @@ def add_mars_args(parser: argparse.ArgumentParser) -> None:
                         "the sidecar included")
     g.add_argument("--mars-open-metrics", action="store_true",
                    help="serve the sidecar's /metrics without a key even with --api-key")
+    g.add_argument("--emulate", default=None, metavar="GPU:MODEL",
+                   help="serve on an EMULATED GPU: vLLM's real scheduler and KV cache manager "
+                        "with the model's real KV layout and the card's KV capacity, each step "
+                        "taking the step-time model's time (docs/emulation.md); no weights are "
+                        "loaded and the text is noise from the embedded tokenizer. GPU: "
+                        "h100, h100-nvl, h200, h200-nvl; MODEL: qwen3-coder-30b-a3b, "
+                        "gpt-oss-120b. Served name and context limit are the model's "
+                        "(--max-model-len defaults to what the KV pool holds, if less)")
+    g.add_argument("--emulate-config", type=json.loads, default=None, metavar="JSON",
+                   help='emulation overrides, e.g. \'{"coefficients": {"moe_efficiency": 0.2},'
+                        ' "reserve_gib": 2, "natural_tokens": 256}\' (docs/emulation.md)')
     g.add_argument("--mars-config", type=json.loads, default=None, metavar="JSON",
                    help='policy parameter overrides, e.g. \'{"ordering": {"promote_after_s": 1},'
                         ' "retention": {"max_tau_s": 30}, "tick_s": 0.05,'
@@ -102,7 +113,9 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
                          "run `vllm serve` for a different scheduler class")
     args.scheduler_cls = SCHEDULER_FACTORY
 
-    if getattr(args, "model_tag", None) is None and not given(argv, "--model"):
+    if getattr(args, "emulate", None):
+        apply_emulation(args, argv)
+    elif getattr(args, "model_tag", None) is None and not given(argv, "--model"):
         from mars.model.tiny import default_model_dir, write_tiny_model
 
         path = write_tiny_model(default_model_dir())
@@ -127,7 +140,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
             # torch.compile buys nothing for a 2-layer model and costs ~45 s of start-up on CPU
             args.enforce_eager = True
 
-    if is_cpu:
+    if is_cpu and not getattr(args, "emulate", None):
         if not given(argv, "--block-size"):
             args.block_size = CPU_DEFAULT_BLOCK_SIZE
         if not (given(argv, "--kv-cache-memory-bytes") or given(argv, "--gpu-memory-utilization")):
@@ -156,6 +169,72 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
     }
     args.additional_config = extra
     args.mars_events_endpoint = endpoint
+
+
+#: what vLLM 0.32 picks for `vllm serve` on a GPU with 70-160 GiB (H100, H200):
+#: vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+GPU_MAX_NUM_SEQS = 1024
+GPU_BLOCK_SIZE = 16
+
+
+def apply_emulation(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--emulate GPU:MODEL``: vLLM on the embedded model's directory (tokenizer, chat
+    template) with the emulated executor, the target's served name and context limit, and
+    the defaults vLLM would pick on the real card. Mutates ``args``."""
+    from mars.emulate.step_time import StepCoefficients
+    from mars.model.tiny import default_model_dir, write_tiny_model
+    from mars.vllm_patches.emulated_executor import (QUALNAME, EmulationConfig,
+                                                     kv_budget_bytes)
+
+    if getattr(args, "model_tag", None) is not None or given(argv, "--model"):
+        raise SystemExit("mars-vllm: --emulate serves the named model's shapes with the "
+                         "embedded tokenizer; do not name a model as well")
+    gpu, sep, model = str(args.emulate).partition(":")
+    extra = args.emulate_config or {}
+    if not isinstance(extra, dict):
+        raise SystemExit("mars-vllm: --emulate-config must be a JSON object")
+    unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens"}
+    if unknown:
+        raise SystemExit(f"mars-vllm: --emulate-config: unknown keys {sorted(unknown)}")
+    try:
+        if not sep:
+            raise ValueError("--emulate takes GPU:MODEL, e.g. h100-nvl:qwen3-coder-30b-a3b")
+        cfg = EmulationConfig.from_dict({"gpu": gpu, "model": model, **extra})
+        StepCoefficients(**cfg.coefficients)
+        m, g = cfg.specs(str(getattr(args, "kv_cache_dtype", "auto") or "auto"))
+        budget = kv_budget_bytes(m, g, args.gpu_memory_utilization, cfg.reserve_gib)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"mars-vllm: --emulate: {exc}") from None
+    if given(argv, "--kv-cache-memory-bytes"):
+        raise SystemExit("mars-vllm: --emulate sizes the KV cache as the card would; "
+                         "use --gpu-memory-utilization instead of --kv-cache-memory-bytes")
+    path = write_tiny_model(default_model_dir())
+    args.model_tag = args.model = str(path)
+    if not given(argv, "--served-model-name"):
+        args.served_model_name = [m.hf_id or m.name]
+    if not given(argv, "--max-model-len"):
+        # the model's limit, or what the pool holds when that is less (vLLM refuses a
+        # --max-model-len whose KV does not fit; a real deployment lowers it the same way)
+        window = (m.sliding_window or 0) * m.sliding_layers
+        fits = int((budget / m.kv_bytes_per_token_layer() - window) // m.full_layers)
+        args.max_model_len = min(m.max_model_len, fits)
+    # the embedded model's own limit is 64K positions; nothing runs it
+    args.hf_overrides = {**(args.hf_overrides or {}),
+                         "max_position_embeddings": max(args.max_model_len, m.max_model_len)}
+    args.distributed_executor_backend = QUALNAME
+    args.enforce_eager = True
+    if not given(argv, "--block-size"):
+        args.block_size = GPU_BLOCK_SIZE
+    if not given(argv, "--max-num-batched-tokens"):
+        args.max_num_batched_tokens = GPU_MAX_NUM_BATCHED_TOKENS
+    if not given(argv, "--max-num-seqs"):
+        args.max_num_seqs = GPU_MAX_NUM_SEQS
+    extra_cfg = args.additional_config if isinstance(getattr(args, "additional_config", None),
+                                                     dict) else {}
+    args.additional_config = {**extra_cfg, "mars_emulate": cfg.as_dict()}
+    print(f"mars: EMULATED GPU {g.name} x {m.name} (step-time model, no weights; "
+          f"docs/emulation.md)", file=sys.stderr, flush=True)
 
 
 def _check_mars_config(policy: str, overrides: dict | None) -> None:

@@ -1,0 +1,132 @@
+"""When an emulated GPU step ends: the pacer between the step-time model and a clock.
+
+A real engine on an H100/H200 runs vLLM with asynchronous scheduling: the host prepares step
+``k+1`` (scheduling, input preparation, output processing of step ``k``) while the GPU runs step
+``k``, so the step cadence is ``max(GPU time, host time)``. The emulated executor runs inside a
+synchronous engine loop (vLLM's CPU platform turns async scheduling off), where the host work
+happens *between* steps. To keep the real cadence the pacer hides that host work under the next
+step: a step that starts after the engine spent ``h`` seconds of its own CPU since the previous
+step ended is due ``modeled - min(h, modeled)`` seconds after it starts. The host time is the
+engine thread's CPU time (``time.thread_time``), not the wall gap, so a gap in which the engine
+was idle (waiting for requests) is not mistaken for overlapped work.
+
+A step whose host work exceeds its modeled time cannot be hidden: it ends late, as on a real
+GPU whose host is the bottleneck. :class:`PacerStats` counts such steps and their lateness; the
+emulation is faithful only while they stay rare (``mars bench`` reports them, and the docs show
+the engine's CPU time per step against the modeled step time).
+
+:class:`WallPacer` sleeps (paced, real time: the served stack); :class:`VirtualPacer` advances a
+virtual clock by exactly the modeled time (the simulator).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class PacerStats:
+    """Running totals of one engine's emulated steps (seconds)."""
+
+    steps: int = 0
+    #: the step-time model's total
+    modeled_s: float = 0.0
+    #: the engine's own CPU time: host work between steps plus the executor's bookkeeping
+    host_cpu_s: float = 0.0
+    #: steps whose host work outlasted their modeled time, and by how much in total
+    late_steps: int = 0
+    late_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+class StepPacer(abc.ABC):
+    """Makes each step take its modeled time on some clock."""
+
+    def __init__(self) -> None:
+        self.stats = PacerStats()
+
+    @abc.abstractmethod
+    def begin(self) -> None:
+        """The executor was handed a step."""
+
+    @abc.abstractmethod
+    def end(self, modeled_s: float) -> None:
+        """Return when the step that began last, modeled at ``modeled_s``, is due."""
+
+
+class WallPacer(StepPacer):
+    """Real time: sleeps until the step is due, hiding host work as async scheduling does."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.thread_time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__()
+        self._clock, self._cpu, self._sleep = clock, cpu_clock, sleep
+        self._cpu_at_end: float | None = None
+        self._wall_at_end = 0.0
+        self._start = self._cpu_at_start = 0.0
+        self._hidden = 0.0
+
+    def begin(self) -> None:
+        self._start, self._cpu_at_start = self._clock(), self._cpu()
+        # the engine's own CPU since the last step ended (0 for the first step)
+        self._hidden = 0.0 if self._cpu_at_end is None else \
+            max(0.0, self._cpu_at_start - self._cpu_at_end)
+
+    def end(self, modeled_s: float) -> None:
+        st = self.stats
+        st.steps += 1
+        st.modeled_s += modeled_s
+        if self._start - self._wall_at_end - self._hidden > modeled_s:
+            # the engine sat idle (no work) for longer than a step: the GPU had nothing to
+            # overlap with, so this step's host work delays it like any first step's
+            self._hidden = 0.0
+        host = self._hidden + max(0.0, self._cpu() - self._cpu_at_start)
+        st.host_cpu_s += host
+        # host work before the step hides under it up to its length; the rest delays it
+        excess = max(0.0, self._hidden - modeled_s)
+        left = self._start + modeled_s - min(self._hidden, modeled_s) - self._clock()
+        if left > 0:
+            self._sleep(left)
+        late = excess + max(0.0, -left)
+        if late > 0:
+            st.late_steps += 1
+            st.late_s += late
+        self._cpu_at_end, self._wall_at_end = self._cpu(), self._clock()
+
+
+class VirtualPacer(StepPacer):
+    """Virtual time: each step advances ``advance`` by exactly its modeled time."""
+
+    def __init__(self, advance: Callable[[float], None]) -> None:
+        super().__init__()
+        self._advance = advance
+
+    def begin(self) -> None:
+        pass
+
+    def end(self, modeled_s: float) -> None:
+        self.stats.steps += 1
+        self.stats.modeled_s += modeled_s
+        self._advance(modeled_s)
+
+
+# ---------------------------------------------------------------------------- process slot
+_ACTIVE: StepPacer | None = None
+
+
+def set_active(pacer: StepPacer | None) -> None:
+    """The engine process's pacer. vLLM's EngineCore builds the executor and the scheduler
+    separately and hands neither to the other; the scheduler publishes these stats in its
+    KV snapshots, so both sides meet here (one engine per process)."""
+    global _ACTIVE
+    _ACTIVE = pacer
+
+
+def active_stats() -> PacerStats | None:
+    return _ACTIVE.stats if _ACTIVE is not None else None
