@@ -167,3 +167,28 @@ def test_virtual_pacer_advances_by_the_model():
     p = VirtualPacer(moved.append)
     p.begin(); p.end(0.25)
     assert moved == [0.25] and p.stats.modeled_s == 0.25
+
+
+# ---------------------------------------------------------------------------- virtual tool cores
+def test_virtual_tool_cores_queue_without_burning_cpu():
+    """Four CPU-bound tools of 0.2 s on two virtual cores: two wait for a slot (at least
+    until the first two finish), and no worker process exists."""
+    import asyncio
+    import time
+
+    from mars.workloads.toolpool import ToolPool
+
+    async def main():
+        async with ToolPool(workers=2, burn_mode="sleep") as pool:
+            assert pool._pool is None and pool.cores == []
+            cpu0 = time.process_time()
+            timings = await asyncio.gather(*(pool.run(0.2, True) for _ in range(4)))
+            return timings, time.process_time() - cpu0
+
+    timings, cpu = asyncio.run(main())
+    waits = sorted(t.wait_s for t in timings)
+    assert waits[:2] == [pytest.approx(0, abs=0.05)] * 2
+    assert min(waits[2:]) >= 0.19
+    assert all(t.end - t.start >= 0.2 for t in timings) and cpu < 0.15
+    with pytest.raises(ValueError, match="not pinned"):
+        ToolPool(cores=[0], burn_mode="sleep")

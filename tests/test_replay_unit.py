@@ -31,6 +31,7 @@ from mars.workloads.results import (
     TaskResult,
     format_report,
     read_results,
+    report_rows,
     summarize_run,
     write_results,
 )
@@ -565,3 +566,15 @@ def test_replay_sends_the_api_key_and_the_events_key():
     with pytest.raises(ReplayError, match="events key"):
         _replay(FakeServer(sidecar=True, keys=("sk-api", "sk-tools")), trace,
                 api_key="sk-api", events_api_key="wrong")
+
+
+def test_recomputed_context_and_preemptions():
+    """Round 1 of task a had 100 + 4 tokens of context computed in round 0, and found 96 in
+    the prefix cache: 8 tokens were evicted during the tool call and prefilled again."""
+    r = _run()
+    assert r.summary["recomputed_context_tokens"] == 8
+    rows = dict(report_rows(r))
+    assert rows["recomputed context (tokens)"] == "8"
+    assert rows["preemptions (server)"] == "–"
+    r.server_metrics = {**r.server_metrics, "vllm:num_preemptions_total": 3.0}
+    assert dict(report_rows(r.finalize()))["preemptions (server)"] == "3"

@@ -82,6 +82,10 @@ def add_mars_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--emulate-config", type=json.loads, default=None, metavar="JSON",
                    help='emulation overrides, e.g. \'{"coefficients": {"moe_efficiency": 0.2},'
                         ' "reserve_gib": 2, "natural_tokens": 256}\' (docs/emulation.md)')
+    g.add_argument("--tool-cores", type=float, default=None, metavar="N",
+                   help="cores the agents' tools run on, for the sidecar's CPU-pressure cap "
+                        "(default: this machine's core count; with `mars replay "
+                        "--virtual-tool-cores N`, the same N)")
     g.add_argument("--mars-config", type=json.loads, default=None, metavar="JSON",
                    help='policy parameter overrides, e.g. \'{"ordering": {"promote_after_s": 1},'
                         ' "retention": {"max_tau_s": 30}, "tick_s": 0.05,'
@@ -301,6 +305,8 @@ def start_sidecar(args: argparse.Namespace):
             cmd += [flag, value if isinstance(value, str) else json.dumps(value)]
     if getattr(args, "mars_open_metrics", False):
         cmd.append("--open-metrics")
+    if getattr(args, "tool_cores", None):
+        cmd += ["--tool-cores", str(args.tool_cores)]
     # keys travel in the environment, not argv (``ps`` shows argv to every local user)
     env = dict(os.environ)
     if getattr(args, "api_key", None):

@@ -214,6 +214,7 @@ METRIC_NAMES = (
     "vllm:prefix_cache_hits_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
+    "vllm:num_preemptions_total",
 )
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

@@ -130,6 +130,11 @@ async def _replay_main(args: argparse.Namespace, trace: Trace,
     from .replay import ReplayConfig, ReplaySession
 
     out = _out_dir(args, trace)
+    if args.virtual_tool_cores:
+        if args.tool_cores or args.tool_workers:
+            raise SystemExit("mars replay: --virtual-tool-cores replaces --tool-cores and "
+                             "--tool-workers")
+        args.tool_burn, args.tool_workers = "sleep", args.virtual_tool_cores
     cfg = ReplayConfig(
         url=args.url, model=args.model, token_range=args.token_range, seed=args.seed,
         salt=args.salt, tool_cores=tuple(args.tool_cores) if args.tool_cores else None,
@@ -159,11 +164,13 @@ async def _replay_main(args: argparse.Namespace, trace: Trace,
         if early is not None and early.pending:
             on_sigint()  # Ctrl-C came during start-up: stop before the first task
         assert session.server is not None
-        srv = session.server
+        srv, pool = session.server, session.pool
+        tools = ("?" if pool is None else f"{pool.workers} virtual tool cores" if pool.virtual
+                 else f"tool cores {pool.cores}")
         print(f"mars replay: {trace.header.regime}, {len(trace)} tasks, "
               f"{sum(t.num_rounds for t in trace)} rounds -> {srv.url} (model {srv.model}, "
               f"max_model_len {srv.max_model_len}, sidecar {'yes' if srv.sidecar else 'no'}); "
-              f"tool cores {session.pool.cores if session.pool else '?'}", file=sys.stderr)
+              f"{tools}", file=sys.stderr)
         from .ideal import trace_digest
         from .trace import dumps_trace
 
@@ -355,7 +362,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="concurrent CPU-bound tools (default: one per tool core)")
     rp.add_argument("--tool-burn", choices=BURN_MODES, default="cpu",
                     help="CPU-bound tools burn their duration as CPU time (cpu, default) or "
-                         "wall time (wall)")
+                         "wall time (wall), or sleep it holding a slot (sleep)")
+    rp.add_argument("--virtual-tool-cores", type=_positive_int, metavar="N",
+                    help="CPU-bound tools queue for N virtual cores and sleep their duration "
+                         "on one (no CPU burnt; for an emulated GPU on a small machine). Give "
+                         "the server the same N (mars-vllm serve --tool-cores N)")
     rp.add_argument("--token-range", type=_token_range, default=DEFAULT_TOKEN_RANGE,
                     metavar="LO:HI",
                     help="token ids used for prompt content, half-open (default 100:900, "

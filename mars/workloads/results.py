@@ -15,6 +15,10 @@ Definitions (the paper's, §2.1 and §6.2):
 * **round latency** is from submitting it to the end of its stream;
 * **cached fraction** of a round is the server's prefix-cache hit over its prompt tokens;
 * **tool wait** is how long a CPU-bound tool queued for a tool core;
+* **recomputed context** of a round (≥ 1) is the part of the context its session had already
+  computed (the previous round's prompt and output) that was not in the prefix cache when
+  the round started: KV evicted during the tool call and prefilled again. Recomputation after
+  a preemption *inside* a round is not in it; the server's preemption count is shown beside;
 * **goodput** (Eq. 1-2) is the rate of tasks completing within ``slack x`` their ideal
   (isolated, concurrency 1) latency, for slack 2, 3, 5 (``mars.workloads.goodput``).
 """
@@ -312,6 +316,7 @@ def summarize_run(tasks: Sequence[TaskResult], slacks: Iterable[float] = DEFAULT
             if cached_later else math.nan),
     }
     out["cached_fraction_by_round"] = _by_round(tasks, "cached_fraction")
+    out["recomputed_context_tokens"] = _recomputed_context(tasks)
     out["tool_wait_s"] = _summary(r.tool_wait_s for r in cpu_tools)
     out["tool_run_s"] = _summary(r.tool_run_s for r in cpu_tools)
     out["tool_stretch"] = _summary(
@@ -327,11 +332,27 @@ def summarize_run(tasks: Sequence[TaskResult], slacks: Iterable[float] = DEFAULT
         n = sm.get("vllm:time_to_first_token_seconds_count", 0.0)
         if n > 0:
             srv["mean_ttft_s"] = sm["vllm:time_to_first_token_seconds_sum"] / n
+        if "vllm:num_preemptions_total" in sm:
+            srv["preemptions"] = sm["vllm:num_preemptions_total"]
         q = sm.get("vllm:prefix_cache_queries_total", 0.0)
         if q > 0:
             srv["prefix_cache_hit_rate"] = sm.get("vllm:prefix_cache_hits_total", 0.0) / q
         out["server"] = srv
     return out
+
+
+def _recomputed_context(tasks: Sequence[TaskResult]) -> int | None:
+    """Context tokens sessions had computed before but found evicted at a round's start
+    (None when the server reported no cached tokens)."""
+    total, seen = 0, False
+    for t in tasks:
+        for prev, r in zip(t.rounds, t.rounds[1:]):
+            if r.cached_tokens is None or prev.output_tokens is None:
+                continue
+            seen = True
+            had = min(prev.prompt_tokens + prev.output_tokens, r.prompt_tokens)
+            total += max(0, had - r.cached_tokens)
+    return total if seen else None
 
 
 def _mean(values: Iterable[float | None]) -> float:
@@ -355,6 +376,11 @@ def _fmt(x: Any, digits: int = 2, pct: bool = False) -> str:
     if abs(v) >= 1000:
         return f"{v:,.0f}"
     return f"{v:.{digits}f}"
+
+
+def _fmt_int(x: Any) -> str:
+    v = _num(x)
+    return f"{v:,.0f}" if math.isfinite(v) else "–"
 
 
 def _get(d: Mapping[str, Any] | None, *path: str) -> Any:
@@ -393,6 +419,8 @@ def report_rows(r: RunResult, slacks: Sequence[float] = DEFAULT_SLACKS) -> list[
         ("round latency mean (s)", _fmt(_get(s, "round_latency_s", "mean"), 3)),
         ("cached fraction, rounds ≥ 1", _fmt(_get(s, "cached_fraction", "later_rounds_token_weighted"),
                                              pct=True)),
+        ("recomputed context (tokens)", _fmt_int(s.get("recomputed_context_tokens"))),
+        ("preemptions (server)", _fmt_int(_get(s, "server", "preemptions"))),
         ("tool queue wait mean (s)", _fmt(_get(s, "tool_wait_s", "mean"), 3)),
         ("tool queue wait P95 (s)", _fmt(_get(s, "tool_wait_s", "p95"), 3)),
         ("throughput (tasks/s)", _fmt(_get(s, "throughput", "tasks_per_s"), 3)),

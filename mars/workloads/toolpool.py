@@ -16,6 +16,11 @@ What "run for the recorded duration" means is a choice (``burn``):
   time, as a real test suite would. The wall time it took is recorded as ``run_s``.
 * ``wall``: spin until ``duration`` seconds of wall time have passed (a tool bounded by a
   timer, not by work).
+* ``sleep`` (*virtual tool cores*): no worker processes; a CPU-bound tool waits for one of
+  ``workers`` slots and sleeps its duration while holding it. The queueing of the paper's
+  dedicated tool cores, without their CPU: for an emulated GPU on a small machine, where
+  burning real cores would starve the engine (``mars replay --virtual-tool-cores N``; tell the
+  sidecar the same ``N`` with ``--tool-cores``).
 
 Workers ignore SIGINT (Ctrl-C reaches the whole foreground process group); the parent stops
 them cooperatively through a shared event and terminates any that do not stop.
@@ -37,7 +42,7 @@ from typing import Any
 
 from mars.launch import pin_to
 
-BURN_MODES = ("cpu", "wall")
+BURN_MODES = ("cpu", "wall", "sleep")
 
 #: a burn never runs longer than this many times its duration (+ a floor) in wall time: a
 #: starved core must not wedge the replay
@@ -159,13 +164,16 @@ class ToolPool:
                  burn_mode: str = "cpu") -> None:
         if burn_mode not in BURN_MODES:
             raise ValueError(f"burn mode must be one of {BURN_MODES} (got {burn_mode!r})")
-        self.cores = list(cores) if cores else available_cores()
+        self.virtual = burn_mode == "sleep"
+        if self.virtual and cores:
+            raise ValueError("virtual tool cores (burn mode 'sleep') are not pinned to cores")
+        self.cores = [] if self.virtual else (list(cores) if cores else available_cores())
         avail = set(available_cores())
         missing = [c for c in self.cores if c not in avail]
         if missing:
             raise ValueError(f"tool cores {format_cores(missing)} are not available to this process "
                              f"(available: {format_cores(sorted(avail))})")
-        self.workers = workers or len(self.cores)
+        self.workers = workers or len(self.cores) or len(avail)
         if self.workers < 1:
             raise ValueError(f"tool workers must be >= 1 (got {self.workers})")
         self.burn_mode = burn_mode
@@ -178,6 +186,8 @@ class ToolPool:
         self.running = 0
 
     def start(self) -> "ToolPool":
+        if self.virtual:
+            return self
         self._pool = ProcessPoolExecutor(
             max_workers=self.workers, mp_context=self._ctx, initializer=_worker_init,
             initargs=(self.cores, self._stop))
@@ -206,7 +216,7 @@ class ToolPool:
             if duration_s > 0:
                 await asyncio.sleep(duration_s)
             return ToolTiming(enqueue, enqueue, time.monotonic(), cpu_bound)
-        if self._pool is None or self._slots is None:
+        if self._slots is None or (self._pool is None and not self.virtual):
             raise RuntimeError("ToolPool.run before start()")
         loop = asyncio.get_running_loop()
         self.waiting += 1
@@ -218,6 +228,11 @@ class ToolPool:
         try:
             if on_start is not None:
                 on_start(time.monotonic())
+            if self.virtual:
+                start = time.monotonic()
+                await asyncio.sleep(duration_s)
+                end = time.monotonic()
+                return ToolTiming(enqueue, start, end, True, True)
             start, end, done = await loop.run_in_executor(
                 self._pool, burn, float(duration_s), self.burn_mode)
         finally:
