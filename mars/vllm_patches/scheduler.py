@@ -170,8 +170,10 @@ class MarsSchedulerMixin:
         if last is None:
             return
         ts, tokens, reqs = last
-        if now > ts and self.mars_step_stats.observe(tokens, reqs, now - ts):
-            self.mars_cosched.retention.observe_prefill(tokens, now - ts)
+        if now > ts:
+            sample = self.mars_step_stats.observe(tokens, reqs, now - ts)
+            if sample is not None:
+                self.mars_cosched.retention.observe_prefill(*sample)
 
     # ------------------------------------------------------------ step hooks
     def schedule(self, *args, **kwargs):
