@@ -7,10 +7,9 @@ Prefill-dominated steps (at least half the tokens are prefill, at least one bloc
 give the prefill rate as a *marginal* rate: the prefill tokens over the time they added to
 the step, i.e. the step's time minus a decode step's. Every step pays a fixed cost (on a MoE
 GPU model, reading the experts the batch touches) whether it carries a prefill chunk or not;
-a rate of tokens over the whole step time would charge that cost to the prefill, so small
-chunks would look slow -- and since the coordinator sizes bounded chunks from this rate
-(``interference_tokens``), smaller chunks would then measure slower still: a spiral that, on
-the emulated H100, left a 60K-token prompt 69 s before its first token. Both are EMAs of
+a rate of tokens over the whole step time would charge that cost to the prefill (and price
+recomputation, :mod:`mars.policy.retention`, by the size of the chunks that happened to run).
+The coordinator charges bounded prefills the same added time. Both are EMAs of
 their numerator and denominator separately, so a small, noisy step moves them less than a
 large one; before the first sample they are ``None`` and nothing that reads them acts.
 """
@@ -62,10 +61,3 @@ class StepStats:
     @property
     def decode_step_s(self) -> float | None:
         return self._dec_sec if self._dec_n else None
-
-    def interference_tokens(self, factor: float) -> int | None:
-        """Prefill tokens that add about ``factor`` decode steps' worth of time to a step."""
-        rate, dec = self.prefill_tokens_per_s, self.decode_step_s
-        if rate is None or dec is None or factor <= 0:
-            return None
-        return int(factor * dec * rate)

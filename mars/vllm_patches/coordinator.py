@@ -17,15 +17,20 @@ inside a step:
   (its expected prefix-cache hit is known from the lookup at arrival) and stops at the first
   call that would not fit the free blocks, as vLLM's admission loop does.
 * **Bounded interference**: once short calls are admitted and decoding, a long prefill
-  ranked below them would still take a full chunk every step, and their inter-token latency
-  would be that of a big prefill step. A running prefill ranked below some running decode gets
-  at most ``prefill_interference`` decode steps' worth of prefill per step when it ranks at
-  least two levels (a 4x larger size class) below the best running decode:
-  ``cap = prefill_interference x decode step time x prefill rate`` (both measured from the
-  engine's own steps, :class:`~mars.policy.step_stats.StepStats`), block-aligned, at least one
-  block so it always progresses. With the default 1.0, a step with such a chunk takes about
-  two decode steps: the higher-priority calls' token rate at most halves, whatever the model
-  and the GPU. Nothing is capped before both quantities have been measured.
+  ranked below them would take a full chunk every step, and their token rate would be that of
+  big prefill steps. A running prefill ranked at least two levels (a 4x larger size class)
+  below the best running decode gets a *share of the engine's time*: for every second of
+  steps without it, it may add ``prefill_interference`` seconds of prefill to later steps. It
+  runs in whole chunks while it has credit and sits out (no tokens, a step of decodes only)
+  while it has none; the time a chunk added to its step (the step's time minus a decode
+  step's, :class:`~mars.policy.step_stats.StepStats`) is charged after the step. With the
+  default 1.0 the higher-priority calls' token rate at most halves, whatever the model and
+  the GPU, and the prefill still progresses at half the engine's rate. (An earlier rule
+  capped the chunk at one decode step's worth of prefill *per step*; on an MoE model a small
+  chunk touches many more experts, so that cap came out at 16-30 tokens a step and an
+  emulated H100 gave a 60K-token prompt its first token after 50-70 s instead of 5.)
+  When the better-ranked call is a waiting one (admitted after vLLM's running loop) the
+  prefill keeps at least one block a step, so the step is never empty.
 
 Mechanism only: what a key is comes from :class:`mars.policy.base.OrderingPolicy`.
 """
@@ -76,6 +81,10 @@ class Coordinator:
         self._decode_scanned = False
         #: level of the best admissible waiting call (None: none)
         self._wtop_level: int | None = None
+        #: bounded interference: seconds of prefill the bounded prefills may still add (<0:
+        #: they sit out), and what the current step did with them (None: no bound applied)
+        self._credit = 0.0
+        self._bounded_step: bool | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def on_arrival(self, call: EngineCall, now: float) -> int | None:
@@ -149,6 +158,7 @@ class Coordinator:
     def sort(self, running: list[Request], waiting) -> None:
         """Once per step, before vLLM's loop: the order it will serve and preempt by."""
         self._decode_scanned = False  # the best running decode is looked up again this step
+        self._bounded_step = None
         if not self.active:
             return
         keyf = self._sortkey
@@ -231,12 +241,11 @@ class Coordinator:
 
     def interference_cap(self, request: Request, computed: int, n: int,
                          running: list[Request]) -> int:
-        """Bound the chunk of a running prefill ranked well below a running decode or an
-        admissible waiting call (which vLLM admits after the running loop, in this step)."""
-        if not self._interference:
-            return n
-        cap = self._stats.interference_tokens(self._interference)
-        if cap is None or n <= cap:
+        """The tokens a running prefill ranked well below a running decode or an admissible
+        waiting call (which vLLM admits after the running loop, in this step) gets this
+        step: all of ``n`` while the bounded prefills have time credit, else none (or one
+        block when the better call is a waiting one)."""
+        if not self._interference or self._stats.decode_step_s is None:
             return n
         if not self._decode_scanned:
             # the first decode in the sorted running list is the best-ranked one
@@ -251,7 +260,8 @@ class Coordinator:
                     break
         mine = self._calls[request.request_id].key
         top = None
-        if self._best_decode is not None and self._best_decode < mine:
+        decode_ahead = self._best_decode is not None and self._best_decode < mine
+        if decode_ahead:
             top = self._best_decode_level
         if self._wkeys and self._wkeys[0] < mine and self._wtop_level is not None:
             top = self._wtop_level if top is None else min(top, self._wtop_level)
@@ -262,6 +272,24 @@ class Coordinator:
             # victim when decodes grow: 108 instead of 39 preemptions in the agent-loop
             # simulation when every lower-ranked prefill was bounded)
             return n
+        if self._credit >= 0.0:
+            self._bounded_step = True
+            return n
+        if self._bounded_step is None:
+            self._bounded_step = False
+        if decode_ahead:
+            return 0  # the better decode is already in this step: it runs without us
         bs = self._bs
-        end = ((computed + max(cap, bs)) // bs) * bs
-        return min(n, max(end - computed, bs - computed % bs))
+        return min(n, bs - computed % bs)
+
+    def on_step(self, seconds: float) -> None:
+        """The step that just ended took ``seconds``: settle the bounded prefills' credit
+        (the time a chunk added is charged; a step without one earns its share)."""
+        ran, self._bounded_step = self._bounded_step, None
+        if ran is None:
+            return
+        dec = self._stats.decode_step_s if self._stats is not None else None
+        if ran:
+            self._credit -= max(0.0, seconds - dec) if dec is not None else seconds
+        else:
+            self._credit += self._interference * seconds

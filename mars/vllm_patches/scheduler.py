@@ -174,6 +174,7 @@ class MarsSchedulerMixin:
             sample = self.mars_step_stats.observe(tokens, reqs, now - ts)
             if sample is not None:
                 self.mars_cosched.retention.observe_prefill(*sample)
+            self.mars_coord.on_step(now - ts)
 
     # ------------------------------------------------------------ step hooks
     def schedule(self, *args, **kwargs):
