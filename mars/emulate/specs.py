@@ -135,6 +135,12 @@ class ModelSpec:
         sliding = min(tokens, self.sliding_window or 0) * self.sliding_layers
         return (tokens * self.full_layers + sliding) * self.kv_bytes_per_token_layer()
 
+    def max_sequence_tokens(self, budget_bytes: float) -> int:
+        """The longest sequence whose KV fits in ``budget_bytes`` (inverse of
+        :meth:`kv_bytes_per_sequence` for sequences longer than the window)."""
+        window = (self.sliding_window or 0) * self.sliding_layers
+        return int((budget_bytes / self.kv_bytes_per_token_layer() - window) // self.full_layers)
+
     def with_kv_bytes(self, kv_bytes: float) -> "ModelSpec":
         from dataclasses import replace
 
@@ -213,6 +219,23 @@ def hf_config(name: str) -> dict:
 #: 131072 positions.
 MODELS: dict[str, ModelSpec] = {
     n: model_from_hf_config(n, hf_config(n)) for n in ("qwen3-coder-30b-a3b", "gpt-oss-120b")}
+
+
+#: GiB the real engine keeps out of the KV pool for activations, CUDA graphs and the
+#: allocator (what vLLM's profiling run measures on the card; our choice, docs/emulation.md)
+ACTIVATION_RESERVE_GIB = 2.0
+
+
+def kv_budget_bytes(model: ModelSpec, gpu: GpuSpec, utilization: float,
+                    reserve_gib: float = ACTIVATION_RESERVE_GIB) -> int:
+    """Bytes the real card leaves for the KV cache, as vLLM's memory profiling finds them:
+    memory x utilization - reserve - weights. Raises ValueError when the weights do not fit."""
+    free = (gpu.memory_gib * utilization - reserve_gib) * 2**30 - model.weight_memory_bytes
+    if free <= 0:
+        raise ValueError(
+            f"{model.name} ({model.weight_memory_bytes / 2**30:.1f} GiB of weights) does not "
+            f"fit on {gpu.name} at --gpu-memory-utilization {utilization}")
+    return int(free)
 
 
 def get_gpu(name: str) -> GpuSpec:

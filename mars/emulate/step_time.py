@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mars.emulate.specs import GpuSpec, ModelSpec
+from mars.emulate.specs import ACTIVATION_RESERVE_GIB, GpuSpec, ModelSpec, kv_budget_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +163,12 @@ class StepTimeModel:
         return self.step_time([(1, context)] * batch)
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9,
-                           reserve_gib: float = 2.0) -> int:
-        """Context tokens the KV cache holds (full-attention layers), as vLLM sizes the pool:
-        memory x utilization - weights - a reserve for activations and the CUDA graphs."""
-        free = (self.gpu.memory_gib * gpu_memory_utilization - reserve_gib) * 2**30 \
-            - self.model.weight_memory_bytes
+                           reserve_gib: float = ACTIVATION_RESERVE_GIB) -> int:
+        """Context tokens the KV cache holds (full-attention layers), as vLLM sizes the pool
+        (:func:`~mars.emulate.specs.kv_budget_bytes`); 0 when the weights do not fit."""
+        try:
+            free = kv_budget_bytes(self.model, self.gpu, gpu_memory_utilization, reserve_gib)
+        except ValueError:
+            return 0
         per = self.model.kv_bytes_per_token()
-        return max(0, math.floor(free / per)) if per > 0 else 0
+        return math.floor(free / per) if per > 0 else 0

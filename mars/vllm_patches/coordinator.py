@@ -288,8 +288,7 @@ class Coordinator:
         ran, self._bounded_step = self._bounded_step, None
         if ran is None:
             return
-        dec = self._stats.decode_step_s if self._stats is not None else None
-        if ran:
-            self._credit -= max(0.0, seconds - dec) if dec is not None else seconds
+        if ran:  # a bound applies only once a decode step has been measured
+            self._credit -= max(0.0, seconds - self._stats.decode_step_s)
         else:
             self._credit += self._interference * seconds

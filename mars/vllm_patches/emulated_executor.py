@@ -32,16 +32,14 @@ from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from mars.emulate.batch import NATURAL_TOKENS, EmulatedOutput, RequestTable, Scheduled
 from mars.emulate.pacing import StepPacer, WallPacer, set_active
-from mars.emulate.specs import GpuSpec, ModelSpec, get_gpu, get_model
+from mars.emulate.specs import (ACTIVATION_RESERVE_GIB, GpuSpec, ModelSpec, get_gpu, get_model,
+                                kv_budget_bytes)
 from mars.emulate.step_time import StepCoefficients, StepTimeModel
 
 logger = logging.getLogger("mars.emulate")
 
 CONFIG_KEY = "mars_emulate"
 QUALNAME = "mars.vllm_patches.emulated_executor.EmulatedExecutor"
-#: GiB the real engine keeps out of the KV pool for activations, CUDA graphs and the
-#: allocator (what vLLM's profiling run measures on the card; our choice, docs/emulation.md)
-ACTIVATION_RESERVE_GIB = 2.0
 
 
 @dataclass(frozen=True)
@@ -70,17 +68,6 @@ class EmulationConfig:
         if kv_cache_dtype.startswith("fp8"):
             model = model.with_kv_bytes(1)
         return model, get_gpu(self.gpu)
-
-
-def kv_budget_bytes(model: ModelSpec, gpu: GpuSpec, utilization: float,
-                    reserve_gib: float = ACTIVATION_RESERVE_GIB) -> int:
-    """Bytes the real card leaves for the KV cache, as vLLM's memory profiling finds them."""
-    free = (gpu.memory_gib * utilization - reserve_gib) * 2**30 - model.weight_memory_bytes
-    if free <= 0:
-        raise ValueError(
-            f"{model.name} ({model.weight_memory_bytes / 2**30:.1f} GiB of weights) does not "
-            f"fit on {gpu.name} at --gpu-memory-utilization {utilization}")
-    return int(free)
 
 
 def _tokenizer_size(model_config) -> int:
@@ -115,7 +102,6 @@ class EmulatedWorker:
             natural_tokens=self.config.natural_tokens))
         self.pacer = pacer or WallPacer()
         set_active(self.pacer)
-        self.num_blocks = 0
 
     # ------------------------------------------------------------------ start-up
     def get_kv_cache_spec(self) -> dict:
@@ -153,7 +139,6 @@ class EmulatedWorker:
 
     def initialize_from_config(self, kv_cache_config) -> None:
         cfg = kv_cache_config[0] if isinstance(kv_cache_config, list) else kv_cache_config
-        self.num_blocks = cfg.num_blocks
         block = self.vllm_config.cache_config.block_size
         tokens = getattr(self.vllm_config.cache_config, "kv_cache_size_tokens", None)
         logger.warning(
@@ -246,9 +231,6 @@ class EmulatedExecutor(UniProcExecutor):
 
     def _init_executor(self) -> None:
         self.driver_worker = EmulatedWorker(self.vllm_config)
-
-    def check_health(self) -> None:
-        pass
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:

@@ -117,9 +117,9 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
                          "run `vllm serve` for a different scheduler class")
     args.scheduler_cls = SCHEDULER_FACTORY
 
-    if getattr(args, "emulate", None):
-        apply_emulation(args, argv)
-    elif getattr(args, "model_tag", None) is None and not given(argv, "--model"):
+    emulation = apply_emulation(args, argv) if getattr(args, "emulate", None) else None
+    if emulation is None and getattr(args, "model_tag", None) is None \
+            and not given(argv, "--model"):
         from mars.model.tiny import default_model_dir, write_tiny_model
 
         path = write_tiny_model(default_model_dir())
@@ -144,7 +144,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
             # torch.compile buys nothing for a 2-layer model and costs ~45 s of start-up on CPU
             args.enforce_eager = True
 
-    if is_cpu and not getattr(args, "emulate", None):
+    if is_cpu and emulation is None:
         if not given(argv, "--block-size"):
             args.block_size = CPU_DEFAULT_BLOCK_SIZE
         if not (given(argv, "--kv-cache-memory-bytes") or given(argv, "--gpu-memory-utilization")):
@@ -161,6 +161,10 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
     extra = args.additional_config if isinstance(getattr(args, "additional_config", None), dict) else {}
     endpoint = args.mars_events_endpoint or default_events_endpoint(args.port)
     extra = dict(extra)
+    if emulation is not None:
+        from mars.vllm_patches.emulated_executor import CONFIG_KEY
+
+        extra[CONFIG_KEY] = emulation
     extra["mars"] = {
         "policy": args.policy,
         "events_endpoint": endpoint,
@@ -182,14 +186,15 @@ GPU_MAX_NUM_SEQS = 1024
 GPU_BLOCK_SIZE = 16
 
 
-def apply_emulation(args: argparse.Namespace, argv: list[str]) -> None:
+def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     """``--emulate GPU:MODEL``: vLLM on the embedded model's directory (tokenizer, chat
     template) with the emulated executor, the target's served name and context limit, and
-    the defaults vLLM would pick on the real card. Mutates ``args``."""
+    the defaults vLLM would pick on the real card. Mutates ``args``; returns what the
+    executor reads from ``additional_config``."""
+    from mars.emulate.specs import kv_budget_bytes
     from mars.emulate.step_time import StepCoefficients
     from mars.model.tiny import default_model_dir, write_tiny_model
-    from mars.vllm_patches.emulated_executor import (QUALNAME, EmulationConfig,
-                                                     kv_budget_bytes)
+    from mars.vllm_patches.emulated_executor import QUALNAME, EmulationConfig
 
     if getattr(args, "model_tag", None) is not None or given(argv, "--model"):
         raise SystemExit("mars-vllm: --emulate serves the named model's shapes with the "
@@ -220,9 +225,7 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> None:
     if not given(argv, "--max-model-len"):
         # the model's limit, or what the pool holds when that is less (vLLM refuses a
         # --max-model-len whose KV does not fit; a real deployment lowers it the same way)
-        window = (m.sliding_window or 0) * m.sliding_layers
-        fits = int((budget / m.kv_bytes_per_token_layer() - window) // m.full_layers)
-        args.max_model_len = min(m.max_model_len, fits)
+        args.max_model_len = min(m.max_model_len, m.max_sequence_tokens(budget))
     # the embedded model's own limit is 64K positions; nothing runs it
     args.hf_overrides = {**(args.hf_overrides or {}),
                          "max_position_embeddings": max(args.max_model_len, m.max_model_len)}
@@ -234,11 +237,9 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> None:
         args.max_num_batched_tokens = GPU_MAX_NUM_BATCHED_TOKENS
     if not given(argv, "--max-num-seqs"):
         args.max_num_seqs = GPU_MAX_NUM_SEQS
-    extra_cfg = args.additional_config if isinstance(getattr(args, "additional_config", None),
-                                                     dict) else {}
-    args.additional_config = {**extra_cfg, "mars_emulate": cfg.as_dict()}
     print(f"mars: EMULATED GPU {g.name} x {m.name} (step-time model, no weights; "
           f"docs/emulation.md)", file=sys.stderr, flush=True)
+    return cfg.as_dict()
 
 
 def _check_mars_config(policy: str, overrides: dict | None) -> None:
