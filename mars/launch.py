@@ -95,6 +95,10 @@ def stop_process_group(proc: subprocess.Popen | None, timeout_s: float = 30.0) -
         pass
 
 
+#: fresh-port restarts of a server whose picked port was taken before it bound it
+PORT_RETRIES = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,21 +148,39 @@ class ServerProcess:
         return {}
 
     def start(self) -> "ServerProcess":
-        self.port = self.port or free_port()
+        """Start the server and wait until it answers.
+
+        Ports left at 0 are picked free here and bound by the server a few seconds later;
+        a process starting meanwhile (another server's engine, on a machine running several)
+        can take one. The server then exits at once saying so (it binds its ports before it
+        loads the engine), and it is started again on fresh ports, up to
+        :data:`PORT_RETRIES` times; ports given by the caller are never changed.
+        """
+        pick_port, pick_engine = not self.port, not self.engine_port
         workdir = tempfile.mkdtemp(prefix="mars-server-")
         self.log_path = self.log_path or os.path.join(workdir, "server.log")
         self.events_file = self.events_file or os.path.join(workdir, "events.jsonl")
-        cmd = [_bin("mars-vllm"), "serve", *self.args, "--host", "127.0.0.1",
-               "--port", str(self.port), "--mars-events-file", self.events_file]
-        if self.sidecar:
-            self.engine_port = self.engine_port or free_port()
-            cmd += ["--engine-port", str(self.engine_port)]
-        env = dict(clean_environ(), **(self.env or {}))
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self._wait_ready()
-        return self
+        for attempt in range(PORT_RETRIES + 1):
+            if pick_port:
+                self.port = free_port()
+            cmd = [_bin("mars-vllm"), "serve", *self.args, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--mars-events-file", self.events_file]
+            if self.sidecar:
+                if pick_engine:
+                    self.engine_port = free_port()
+                cmd += ["--engine-port", str(self.engine_port)]
+            env = dict(clean_environ(), **(self.env or {}))
+            with open(self.log_path, "ab" if attempt else "wb") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             env=env, start_new_session=True)
+            try:
+                self._wait_ready()
+                return self
+            except RuntimeError:
+                taken = "address already in use" in self.tail(5).lower()
+                if not (taken and (pick_port or pick_engine)) or attempt == PORT_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

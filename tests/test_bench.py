@@ -231,7 +231,7 @@ def test_policy_serves_the_scaled_replay(smoke, policy):
     out, _, _, _, _ = smoke
     doc = json.loads((out / "bench.json").read_text())
     (pt,) = [p for p in doc["points"] if p["policy"] == policy]
-    assert pt["status"] == "done" and pt["returncode"] == 0, pt
+    assert pt["status"] == "done" and pt["returncode"] == 0, (pt, doc.get("servers", {}).get(policy))
     res = read_results(pt["dir"])
     trace = read_trace(out / "traces" / "ILR-1" / "rate-1.jsonl")
     assert res.label == policy and res.mode == "load"

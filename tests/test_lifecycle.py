@@ -267,3 +267,55 @@ def test_sigterm_drains_in_flight_streams():
         # after the drain the public port is closed
         with pytest.raises(httpx.HTTPError):
             httpx.get(srv.url + "/v1/models", timeout=2)
+
+
+def test_taken_public_port_fails_at_once_before_the_engine_loads():
+    """The public port is bound by ``mars-vllm serve`` itself, before the engine: a taken
+    port is one clear line and status 1 within seconds. (The sidecar used to bind it after
+    the engine had loaded, failed, and left the engine serving nobody: a harness waiting
+    for the port waited its whole start-up timeout.)"""
+    import socket
+    import subprocess
+
+    from mars.launch import _bin, clean_environ
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([_bin("mars-vllm"), "serve", "--host", "127.0.0.1", "--port",
+                            str(port)], capture_output=True, text=True, timeout=120,
+                           env=clean_environ())
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"mars-vllm: cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "EngineCore" not in r.stderr  # failed before any engine started
+
+
+def test_a_dead_sidecar_takes_the_server_down(monkeypatch):
+    """The sidecar is the server's front door: if it dies, the engine alone behind it serves
+    nobody, so the command ends with status 1 and leaves no process behind.
+
+    The harness picks the server's ports; here the first pick is a port already taken (as
+    another server starting on the same machine can take it between the pick and the bind):
+    the server says so at once and the harness starts it again on fresh ports."""
+    import socket
+
+    from mars import launch
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(picks, None) or real())
+    with taken, engine_server() as srv:
+        assert srv.port != taken.getsockname()[1]
+        log = open(srv.log_path).read()
+        assert log.count("cannot listen on") == 1 and "Address already in use" in log
+        procs = _tree(srv.proc.pid)
+        (sidecar,) = [p for p in procs if "mars.sidecar" in " ".join(p.cmdline())]
+        sidecar.kill()
+        assert srv.proc.wait(timeout=60) == 1, srv.tail()
+        assert "the sidecar exited with status -9" in srv.tail(200)
+        assert not _wait_gone(procs, 20)
+        assert not os.path.exists(_ipc_path(srv))

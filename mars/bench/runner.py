@@ -646,7 +646,10 @@ class Bench:
                 if not stopped:
                     self.say(f"[{label}] server did not start: {str(e).splitlines()[0]} "
                              f"(log {sdir / 'server.log'})")
-                self.servers[label] = {"log": str(sdir / "server.log"), "error": str(e)[:2000]}
+                msg = str(e)  # what happened (first line), then why: the log's last lines
+                self.servers[label] = {"log": str(sdir / "server.log"),
+                                       "error": msg if len(msg) <= 4000
+                                       else msg[:500] + "\n...\n" + msg[-3500:]}
                 self.save()
                 return
             finally:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -93,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x = p.add_argument_group("process")
     x.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process dies (used by mars-vllm serve)")
+    x.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                   help="serve on this inherited listening socket instead of binding "
+                        "--host/--port (used by mars-vllm serve, which binds the public port "
+                        "before it loads the engine)")
     x.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="on SIGTERM, seconds in-flight requests may finish before they are "
                         "cut (new connections are refused at once) (default: %(default)s)")
@@ -160,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout, max_connections=args.max_connections,
         max_body_bytes=args.max_body_bytes,
-        merge_upstream_metrics=not args.no_upstream_metrics, parent_pid=args.parent_pid,
+        merge_upstream_metrics=not args.no_upstream_metrics, parent_pid=args.parent_pid, listen_fd=args.listen_fd,
         api_keys=tuple(args.api_key or _env_keys(KEYS_ENV, "VLLM_API_KEY")),
         events_api_keys=tuple(args.events_api_key or _env_keys(EVENTS_KEYS_ENV)),
         open_metrics=args.open_metrics,
@@ -190,12 +195,17 @@ def serve(config: SidecarConfig) -> int:
           f"engine-events={config.engine_events or 'none'} "
           f"events-file={config.events_file or 'none'} "
           f"auth={'on' if config.api_keys else 'off'}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.access_log, loop="auto", http="auto", backlog=4096,
-                timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
-                timeout_keep_alive=30,
-                proxy_headers=False)
-    return 0
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                        access_log=config.access_log, loop="auto", http="auto", backlog=4096,
+                        timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
+                        timeout_keep_alive=30, proxy_headers=False)
+    server = uvicorn.Server(uv)
+    if config.listen_fd is not None:
+        server.run(sockets=[socket.socket(fileno=config.listen_fd)])
+    else:
+        server.run()
+    # uvicorn returns (does not raise) when it cannot bind: a server that never served failed
+    return 0 if server.started else 1
 
 
 def _cmd(args: argparse.Namespace) -> int:

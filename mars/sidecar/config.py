@@ -89,6 +89,10 @@ class SidecarConfig:
     # --- process --------------------------------------------------------------------------
     #: exit when this process is no longer our parent (set by ``mars-vllm serve``)
     parent_pid: int | None = None
+    #: serve on this inherited, already listening socket instead of binding host:port
+    #: (``mars-vllm serve`` binds the public port itself, so that a taken port fails at once,
+    #: before the engine loads, not in the sidecar after it)
+    listen_fd: int | None = None
     #: on SIGTERM, in-flight requests may finish for this long before they are cut (seconds)
     drain_timeout_s: float = 5.0
     log_level: str = "warning"

@@ -16,8 +16,11 @@ import argparse
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import tempfile
+import threading
 
 from mars.policy.registry import POLICY_NAMES
 from mars.vllm_patches import lifecycle
@@ -266,6 +269,51 @@ def _check_mars_config(policy: str, overrides: dict | None) -> None:
             raise SystemExit(f"mars-vllm: --mars-config {name}: {exc}") from None
 
 
+def bind_public(host: str, port: int) -> socket.socket:
+    """Listen on the public address now, before the engine loads, for the sidecar to inherit.
+
+    Bound by the sidecar itself, a taken port failed only after the engine had loaded, and
+    the engine went on serving on its loopback port with nothing in front of it: a server
+    that never answers (issue: the bench's parallel servers, whose ports are picked free a
+    few seconds before they are bound, hung 600 s in CI).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(addr)
+        sock.listen(4096)
+    except OSError as exc:
+        raise SystemExit(f"mars-vllm: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                         ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+#: set by the watcher when the sidecar failed while the engine was serving
+_sidecar_failed: int | None = None
+#: set once this process stops its sidecar itself (at exit): its end is then expected
+_stopping_sidecar = threading.Event()
+
+
+def _watch_sidecar(proc) -> None:
+    """Take the server down when its sidecar exits: the engine alone on its loopback port
+    serves nobody, and a supervisor sees a live process that never answers (a liveness
+    defect, not a degraded mode). A failure (non-zero status) makes the command exit 1;
+    a sidecar that stopped because the whole group got SIGTERM only repeats that signal,
+    which uvicorn treats as the same request to shut down."""
+    global _sidecar_failed
+    code = proc.wait()
+    if _stopping_sidecar.is_set():
+        return
+    if code != 0:
+        _sidecar_failed = code
+        print(f"mars-vllm: the sidecar exited with status {code} (see its lines above); "
+              "shutting the engine down", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def start_sidecar(args: argparse.Namespace):
     """Start ``mars sidecar`` on the public --host/--port and move the engine behind it.
 
@@ -282,10 +330,12 @@ def start_sidecar(args: argparse.Namespace):
 
     public_host = args.host or "0.0.0.0"
     public_port = args.port
+    listener = bind_public(public_host, public_port)
     engine_port = args.engine_port or free_port()
     admission = "on" if get_policy(args.policy).sidecar_admission else "off"
     cmd = [sys.executable, "-m", "mars.sidecar", "--upstream", f"http://127.0.0.1:{engine_port}",
            "--host", public_host, "--port", str(public_port), "--admission", admission,
+           "--listen-fd", str(listener.fileno()),
            "--engine-events", args.mars_events_endpoint, "--parent-pid", str(os.getpid()),
            # a SIGTERM to the process group reaches both: the sidecar keeps relaying the
            # streams the engine drains, a little longer than the engine takes
@@ -318,9 +368,11 @@ def start_sidecar(args: argparse.Namespace):
         from mars.sidecar.cli import EVENTS_KEYS_ENV
 
         env[EVENTS_KEYS_ENV] = args.mars_events_api_key
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),))
+    listener.close()  # the sidecar holds it now
 
     def _stop() -> None:
+        _stopping_sidecar.set()
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -329,6 +381,8 @@ def start_sidecar(args: argparse.Namespace):
                 proc.kill()
 
     atexit.register(_stop)
+    threading.Thread(target=_watch_sidecar, args=(proc,), name="mars-sidecar-watch",
+                     daemon=True).start()
     args.host, args.port = "127.0.0.1", engine_port
     print(f"mars: sidecar on {public_host}:{public_port} (admission {admission}, pid {proc.pid})"
           f" -> engine on 127.0.0.1:{engine_port}", file=sys.stderr, flush=True)
@@ -390,10 +444,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)
     args.dispatch_function(args)
+    _stopping_sidecar.set()
     if lifecycle.engine_died():
         print("mars-vllm: the engine died; exiting with status 1 so that a supervisor "
               "restarts the server", file=sys.stderr, flush=True)
-    sys.exit(lifecycle.exit_status())
+    sys.exit(1 if _sidecar_failed is not None else lifecycle.exit_status())
 
 
 if __name__ == "__main__":
