@@ -92,7 +92,8 @@ def _register_optional(sub) -> None:
     import importlib
 
     for mod in ("mars.workloads.cli", "mars.workloads.replay_cli", "mars.sidecar.cli",
-                "mars.bench", "mars.demo", "mars.openhands_cli", "mars.emulate.cli"):
+                "mars.bench", "mars.demo", "mars.openhands_cli", "mars.emulate.cli",
+                "mars.sim.cli"):
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -24,24 +24,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from mars.sim.clock import VirtualClock
+
 #: block size of the embedded tiny model's engine on CPU (``mars-vllm serve`` default)
 BLOCK_SIZE = 32
 _VOCAB_LO, _VOCAB_HI = 16, 4000  # stay clear of the tiny model's special tokens
-
-
-class VirtualClock:
-    """A clock that moves only when told to."""
-
-    def __init__(self, start: float = 1_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, dt: float) -> None:
-        if dt < 0:
-            raise ValueError("time does not run backwards")
-        self.now += dt
 
 
 # --------------------------------------------------------------------------- set-up

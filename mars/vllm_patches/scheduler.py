@@ -116,16 +116,22 @@ class MarsSchedulerMixin:
         # the previous step, for the prefill-rate measurement: (time, tokens, requests)
         self._mars_last_step: tuple[float, int, int] | None = None
         self._mars_idle_published = False
+        self.mars_publish_start()
+        logger.info("mars scheduler %s active (policy=%s, %d KV blocks of %d tokens)",
+                    type(self).__name__, self.mars_policy, total, self.block_size)
+
+    def mars_publish_start(self) -> None:
+        """``scheduler_start``: the pool's size and block size, which the sidecar's KV-aware
+        packing needs before any snapshot (published again by a simulator that gives the
+        scheduler its own event sink)."""
         self.mars_events.publish(make_event(
-            "scheduler_start",
+            "scheduler_start", ts=self.mars_clock(),
             scheduler_cls=f"{type(self).__module__}.{type(self).__qualname__}",
             policy=self.mars_policy,
-            total_blocks=total,
+            total_blocks=self.mars_cosched.total_blocks,
             block_size=self.block_size,
             pid=os.getpid(),
         ))
-        logger.info("mars scheduler %s active (policy=%s, %d KV blocks of %d tokens)",
-                    type(self).__name__, self.mars_policy, total, self.block_size)
 
     def set_mars_clock(self, clock: Callable[[], float]) -> None:
         """Read time from ``clock`` (the offline engine's virtual clock) instead of wall time."""

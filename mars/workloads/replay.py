@@ -38,7 +38,6 @@ from typing import Any
 
 import httpx
 
-from mars.policy.base import SessionMeta
 from mars.workloads.goodput import DEFAULT_SLACKS
 
 from .eventlink import EventPoster, StreamRecorder, read_events, slice_events_file
@@ -53,8 +52,9 @@ from .httpclient import (
     probe_server,
     stream_completion,
 )
-from .prompts import DEFAULT_TOKEN_RANGE, TokenSpace, first_prompt, next_prompt
+from .prompts import DEFAULT_TOKEN_RANGE, TokenSpace
 from .results import RoundResult, RunResult, TaskResult
+from .task_script import TaskScript
 from .toolpool import ToolPool, ToolTiming
 from .trace import Round, Task, Trace, dumps_trace
 
@@ -311,22 +311,18 @@ class ReplaySession:
 
     async def _rounds(self, st: _RunState, task: Task, tr: TaskResult) -> None:
         assert self.server is not None and self.client is not None
-        mml = self.server.max_model_len
-        space, job, n = st.space, job_id(task.task_id, st.mode), task.num_rounds
-        prompt = first_prompt(space, task.task_id, task.prefix_tokens, task.task_tokens)
-        prev_tool: str | None = None
-        for k, rnd in enumerate(task.rounds):
-            if k == 0 and mml is not None and len(prompt) + rnd.output_tokens > mml:
-                tr.status = "skipped"
-                tr.error = (f"round 0 needs {len(prompt) + rnd.output_tokens} tokens, over the "
-                            f"server's max_model_len {mml}")
-                return
-            last = k == n - 1
-            meta = SessionMeta(job_id=job, round=k, last_round=last, next_tool=rnd.tool,
-                               prev_tool=prev_tool)
+        job = job_id(task.task_id, st.mode)
+        script = TaskScript(task, st.space, job, self.server.max_model_len)
+        skip = script.skip_reason()
+        if skip is not None:
+            tr.status, tr.error = "skipped", skip
+            return
+        while True:
+            call = script.call()
+            k, prompt, rnd = call.index, call.prompt, call.round
             rid = f"{job}.r{k}.{self.nonce}"
-            body = completion_body(self.server.model, prompt, rnd.output_tokens,
-                                   meta.to_extra_args(), rid)
+            body = completion_body(self.server.model, prompt, call.output_tokens,
+                                   call.meta.to_extra_args(), rid)
             st.counters.inflight += 1
             try:
                 res = await stream_completion(self.client, self.url, body, self.cfg.request_timeout_s)
@@ -335,7 +331,7 @@ class ReplaySession:
             st.fingerprint = st.fingerprint or res.system_fingerprint
             rr = RoundResult(
                 index=k, prompt_tokens=len(prompt), output_tokens=len(res.token_ids),
-                planned_output_tokens=rnd.output_tokens, submit_s=res.submit - st.t0,
+                planned_output_tokens=call.output_tokens, submit_s=res.submit - st.t0,
                 first_token_s=None if res.first_token is None else res.first_token - st.t0,
                 end_s=res.end - st.t0, cached_tokens=res.cached_tokens,
                 request_id=res.response_id or rid)
@@ -345,23 +341,19 @@ class ReplaySession:
             if res.prompt_tokens is not None and res.prompt_tokens != len(prompt):
                 raise CallError(f"the server counted {res.prompt_tokens} prompt tokens for a "
                                 f"{len(prompt)}-token prompt (token-id prompts not honoured?)")
-            if last:
+            if call.last:
                 tr.status = "completed"
                 return
-            nxt = next_prompt(space, task.task_id, k, prompt, res.token_ids,
-                              rnd.observation_tokens + rnd.template_tokens)
-            if mml is not None and len(nxt) + task.rounds[k + 1].output_tokens > mml:
+            cut = script.after(res.token_ids)
+            if cut is not None:
                 # stop after the last round that fits, without its tool (as the generator cuts)
-                tr.status = "truncated"
-                tr.error = (f"round {k + 1} would need {len(nxt) + task.rounds[k + 1].output_tokens}"
-                            f" tokens, over the server's max_model_len {mml}")
+                tr.status, tr.error = "truncated", cut
                 return
             timing = await self._tool(st, job, k, rnd)
             rr.tool, rr.tool_cpu_bound, rr.tool_duration_s = rnd.tool, rnd.cpu_bound, rnd.tool_duration_s
             rr.tool_enqueue_s = timing.enqueue - st.t0
             rr.tool_start_s = timing.start - st.t0
             rr.tool_end_s = timing.end - st.t0
-            prompt, prev_tool = nxt, rnd.tool
 
     async def _tool(self, st: _RunState, job: str, k: int, rnd: Round) -> ToolTiming:
         """Run round ``k``'s tool; post its CPU-plane events when a sidecar listens."""

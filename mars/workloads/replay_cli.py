@@ -302,6 +302,26 @@ def _names(paths: list[str], results: list[RunResult]) -> list[str]:
 # ------------------------------------------------------------------------------- parsers
 
 
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The options :func:`build_trace` reads besides REGIME / --trace (``mars replay``,
+    ``mars sim run``)."""
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--num-tasks", type=_positive_int, metavar="N",
+                   help="tasks to generate (default 20)")
+    n.add_argument("--duration", type=_positive_float, metavar="S",
+                   help="generate all arrivals within S seconds of nominal time")
+    p.add_argument("--rate", type=_positive_float, metavar="R",
+                   help="Poisson arrival rate, tasks/s of nominal time (default 0.2)")
+    p.add_argument("--scale", type=_positive_float, default=1.0, metavar="F",
+                   help="divide token counts by F (tiny models; default 1)")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="T",
+                   help="divide arrival times and tool durations by T (default 1)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="trace seed and content seed of the token ids (default 0)")
+    p.add_argument("--context-limit", type=_positive_int, metavar="TOKENS",
+                   help="generator's full-scale context limit (default: the regime's)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     rp = subparsers.add_parser(
         "replay",
@@ -328,21 +348,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rp.add_argument("--events-api-key", default=None, metavar="KEY",
                     help="key for posting tool events, if the server has a separate one "
                          "(default: $MARS_EVENTS_API_KEY, else --api-key)")
-    n = rp.add_mutually_exclusive_group()
-    n.add_argument("--num-tasks", type=_positive_int, metavar="N",
-                   help="tasks to generate (default 20)")
-    n.add_argument("--duration", type=_positive_float, metavar="S",
-                   help="generate all arrivals within S seconds of nominal time")
-    rp.add_argument("--rate", type=_positive_float, metavar="R",
-                    help="Poisson arrival rate, tasks/s of nominal time (default 0.2)")
-    rp.add_argument("--scale", type=_positive_float, default=1.0, metavar="F",
-                    help="divide token counts by F (tiny models; default 1)")
-    rp.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="T",
-                    help="divide arrival times and tool durations by T (default 1)")
-    rp.add_argument("--seed", type=int, default=0,
-                    help="trace seed and content seed of the token ids (default 0)")
-    rp.add_argument("--context-limit", type=_positive_int, metavar="TOKENS",
-                    help="generator's full-scale context limit (default: the regime's)")
+    add_trace_arguments(rp)
     rp.add_argument("--out", metavar="DIR", help="output directory (default runs/<label>-<time>)")
     rp.add_argument("--label", help="name of this run in reports (e.g. the policy)")
     rp.add_argument("--isolated", action="store_true",

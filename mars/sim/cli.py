@@ -1,0 +1,233 @@
+"""mars sim run: one operating point, each chosen policy, in virtual time.
+
+For each policy a fresh simulation (vLLM's engine with that policy's scheduler on the
+EMULATED GPU, the sidecar's admission core, tools on virtual cores) replays the trace;
+policies run in parallel processes with --jobs. Ideal latencies for goodput are each task run
+alone in the simulator under stock vLLM scheduling (fcfs), cached like the replay's: the same
+for every policy, as the paper judges every policy against the same isolated latency. Writes
+results.json and events.jsonl per policy in mars replay's schema (mars report reads them),
+report.md with the side-by-side table, and a latency CDF plot. Times are virtual seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mars.cli_types import positive_int as _positive_int
+from mars.cli_types import slacks as _slacks
+from mars.workloads.goodput import DEFAULT_SLACKS
+
+DEFAULT_GPU = "h100-nvl"
+DEFAULT_MODEL = "qwen3-coder-30b-a3b"
+#: the policy the isolated (ideal) run is simulated under
+IDEAL_POLICY = "fcfs"
+
+
+def _policies(text: str) -> list[str]:
+    from mars.policy.registry import POLICY_NAMES
+
+    names = list(POLICY_NAMES) if text == "all" else [p for p in text.split(",") if p]
+    bad = [p for p in names if p not in POLICY_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {bad[0] if bad else text!r}; valid: "
+                                         f"{', '.join(POLICY_NAMES)} or all")
+    return names
+
+
+def _gpu_model(args: argparse.Namespace) -> None:
+    from mars.emulate.specs import GPUS, MODELS
+
+    if args.gpu not in GPUS:
+        raise SystemExit(f"mars sim: unknown GPU {args.gpu!r}; known: {', '.join(GPUS)}")
+    if args.model not in MODELS:
+        raise SystemExit(f"mars sim: unknown model {args.model!r}; known: {', '.join(MODELS)}")
+
+
+def point_config(args: argparse.Namespace, policy: str):
+    from mars.sim.runner import SimConfig
+
+    return SimConfig(gpu=args.gpu, model=args.model, policy=policy,
+                     tool_cores=args.tool_cores, seed=args.seed, slacks=tuple(args.slacks),
+                     engine_args=tuple(args.engine_args.split()) if args.engine_args else (),
+                     progress=not args.no_progress and args.jobs == 1)
+
+
+def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
+    from mars.workloads.ideal import trace_digest
+    from mars.workloads.prompts import DEFAULT_TOKEN_RANGE
+    from mars.workloads.trace import dumps_trace
+
+    return {"trace_sha256": trace_digest(dumps_trace(trace)), "simulated": True,
+            "gpu": args.gpu, "model": args.model, "policy": IDEAL_POLICY,
+            "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
+            "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed}
+
+
+def simulate_ideal(args: argparse.Namespace, trace, out: Path) -> dict[str, float]:
+    """Each task alone (the isolated run), cached by what determines it."""
+    from mars.sim.runner import Simulation
+    from mars.workloads.ideal import cache_dir, ideal_key, load_cached, save_cached
+    from mars.workloads.results import write_results
+
+    fields = ideal_fields(args, trace)
+    key, cdir = ideal_key(fields), cache_dir(args.ideal_cache)
+    ideal = load_cached(key, cdir)
+    if ideal is not None:
+        print(f"mars sim: ideal latencies from cache {cdir / (key + '.json')}", file=sys.stderr)
+        return ideal
+    print("mars sim: simulating ideal latencies (each task alone, fcfs)", file=sys.stderr)
+    sim = Simulation(point_config(args, IDEAL_POLICY))
+    try:
+        iso = sim.run(trace, "isolated", "ideal (isolated)")
+    finally:
+        sim.close()
+    write_results(iso, out / "ideal_results.json")
+    ideal = {t.task_id: t.latency_s for t in iso.tasks if t.latency_s is not None}
+    if len(ideal) == len(iso.tasks):
+        save_cached(key, fields, ideal, cdir, source="mars sim (isolated)")
+    return ideal
+
+
+def run_point(args: argparse.Namespace, policy: str, trace, ideal: dict[str, float] | None,
+              out: Path) -> Path:
+    """Simulate one policy; returns its results.json."""
+    from mars.sim.runner import Simulation
+    from mars.workloads.results import write_results
+
+    pdir = out / policy
+    pdir.mkdir(parents=True, exist_ok=True)
+    sim = Simulation(point_config(args, policy), events_path=pdir / "events.jsonl")
+    try:
+        res = sim.run(trace, "load", policy, ideal=ideal)
+    finally:
+        sim.close()
+    res.files["events"] = str(pdir / "events.jsonl")
+    res.config["ideal"] = {"mode": args.ideal, "policy": IDEAL_POLICY if args.ideal == "auto"
+                           else None}
+    write_results(res, pdir / "results.json")
+    return pdir / "results.json"
+
+
+def _point_worker(payload: tuple) -> str:
+    args, policy, trace_text, ideal, out = payload
+    from mars.workloads.trace import loads_trace
+
+    _quiet_vllm()
+    return str(run_point(args, policy, loads_trace(trace_text), ideal, Path(out)))
+
+
+def _quiet_vllm() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from mars.workloads.replay_cli import build_trace
+    from mars.workloads.results import format_report, read_results
+    from mars.workloads.trace import TraceError, dumps_trace, write_trace
+
+    _gpu_model(args)
+    try:
+        trace = build_trace(args)
+    except (ValueError, TraceError, OSError) as e:
+        print(f"mars sim: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out or Path("runs") / f"sim-{trace.header.regime}-"
+               f"{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_trace(trace, out / "trace.jsonl")
+    _quiet_vllm()
+    t0 = time.monotonic()
+    print(f"mars sim: SIMULATED (virtual time) on the EMULATED GPU {args.gpu} x {args.model}: "
+          f"{trace.header.regime}, {len(trace)} tasks, {sum(t.num_rounds for t in trace)} rounds, "
+          f"{args.tool_cores} virtual tool cores; policies {', '.join(args.policies)}",
+          file=sys.stderr, flush=True)
+    ideal: dict[str, float] | None = None
+    if args.ideal == "auto":
+        ideal = simulate_ideal(args, trace, out)
+    elif args.ideal != "skip":
+        from mars.workloads.ideal import load_ideal_file
+
+        try:
+            ideal = load_ideal_file(args.ideal)
+        except ValueError as e:
+            print(f"mars sim: --ideal: {e}", file=sys.stderr)
+            return 1
+    paths: list[str] = []
+    if args.jobs > 1 and len(args.policies) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        text = dumps_trace(trace)
+        with ProcessPoolExecutor(min(args.jobs, len(args.policies)),
+                                 mp_context=mp.get_context("spawn")) as ex:
+            paths = list(ex.map(_point_worker, [(args, p, text, ideal, str(out))
+                                                for p in args.policies]))
+    else:
+        for p in args.policies:
+            paths.append(str(run_point(args, p, trace, ideal, out)))
+    results = [read_results(p) for p in paths]
+    report = format_report(results, names=args.policies, slacks=args.slacks)
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+    if not args.no_plots:
+        try:
+            from mars.workloads.plots import plot_latency_cdf
+
+            plot_latency_cdf(results, out / "latency_cdf.png", args.policies)
+            print(f"plot:    {out / 'latency_cdf.png'}", file=sys.stderr)
+        except ImportError as e:
+            print(f"mars sim: plots skipped: {e}", file=sys.stderr)
+    virt = max(r.run.get("wall_s", 0.0) for r in results)
+    print(f"results: {out}/<policy>/results.json (virtual time; {virt:,.0f} simulated seconds "
+          f"in {time.monotonic() - t0:,.0f} s of wall time)", file=sys.stderr)
+    failed = [r.label for r in results if r.summary.get("tasks", {}).get("error")]
+    return 3 if failed else 0
+
+
+def register(sub) -> None:
+    from mars.workloads.generator import REGIMES
+    from mars.workloads.replay_cli import add_trace_arguments
+
+    p = sub.add_parser(
+        "sim", help="simulate agent workloads on an emulated GPU in virtual time",
+        description="The served stack's decisions in virtual time: vLLM's engine with each "
+                    "policy's scheduler on the EMULATED GPU (step-time model), the sidecar's "
+                    "admission core and tools on virtual cores, in one process per policy. "
+                    "See docs/sim.md.")
+    ss = p.add_subparsers(dest="sim_cmd", required=True)
+    r = ss.add_parser("run", help="one operating point under one or more policies",
+                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("regime", nargs="?", metavar="REGIME",
+                   help=f"generate a trace for this regime: {', '.join(REGIMES)}")
+    r.add_argument("--trace", metavar="FILE", help="simulate this trace file instead")
+    r.add_argument("--gpu", default=DEFAULT_GPU, help=f"emulated GPU (default {DEFAULT_GPU})")
+    r.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"emulated model (default {DEFAULT_MODEL})")
+    r.add_argument("--policies", type=_policies, default=["fcfs", "mars"], metavar="LIST",
+                   help="comma-separated policies, or all (default fcfs,mars)")
+    add_trace_arguments(r)
+    r.add_argument("--tool-cores", type=_positive_int, default=8, metavar="N",
+                   help="virtual CPU cores for CPU-bound tools; the sidecar's CPU cap is told "
+                        "the same (default 8)")
+    r.add_argument("--engine-args", default="", metavar="ARGS",
+                   help="more `mars-vllm serve` arguments, one string (e.g. "
+                        "'--max-num-seqs 256')")
+    r.add_argument("--ideal", default="auto", metavar="auto|skip|FILE",
+                   help="ideal latencies: auto = simulate each task alone (cached), skip, or "
+                        "a file as for mars replay (default auto)")
+    r.add_argument("--ideal-cache", metavar="DIR", help="ideal cache directory")
+    r.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="policies simulated in parallel processes (default 1)")
+    r.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
+                   help="goodput slack factors (default 2,3,5)")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/sim-...)")
+    r.add_argument("--no-plots", action="store_true", help="no PNG plots")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_run)

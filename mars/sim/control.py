@@ -1,0 +1,144 @@
+"""The sidecar's control plane in virtual time: the same :class:`AdmissionCore`, a plain shell.
+
+The served shell (:mod:`mars.sidecar.control`) turns the core's decisions into awaited
+futures and runs its steps on an asyncio timer; this one calls back the simulator. What it
+keeps identical is *when* the core is asked: a step on the sidecar's periodic timer
+(``step_interval_s``), one after any event the core says may change its decision (coalesced
+until the simulator's current instant is processed, as the served shell coalesces to one per
+loop iteration), idle reaping, and each request's admission timeout. Every event -- the
+engine's, the core's, the tools', request start/end -- passes through :meth:`publish`, which
+records it and shows it to the core, as the sidecar's hub does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mars.policy.admission import QueueFull
+from mars.policy.events import make_event
+from mars.sidecar.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
+from mars.sidecar.config import SidecarConfig
+from mars.sim.clock import Timeline, VirtualClock
+
+__all__ = ["QueueFull", "SimControl", "sidecar_config"]
+
+
+def sidecar_config(admission: bool, tool_cores: int, block_size: int) -> SidecarConfig:
+    """The sidecar's configuration as ``mars-vllm serve --tool-cores N`` starts it (the same
+    flags through the sidecar's own parser)."""
+    import argparse
+    import json
+
+    from mars.sidecar.cli import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--upstream", "http://sim", "--admission", "on" if admission else "off",
+                         "--admission-config", json.dumps({"packing": {"block_size": block_size}}),
+                         "--tool-cores", str(tool_cores)])
+    return config_from_args(args)
+
+
+class SimControl:
+    """``admitted(session, now)`` / ``failed(session, reason, now)``: the simulator's hooks
+    for the requests a session had waiting."""
+
+    def __init__(self, sidecar: SidecarConfig, clock: VirtualClock, timeline: Timeline, *,
+                 admitted: Callable[[SessionState, float], None],
+                 failed: Callable[[SessionState, str, float], None],
+                 record: Callable[[dict[str, Any]], None]) -> None:
+        sc = self.sidecar = sidecar
+        admission = sc.admission
+        self.clock = clock
+        self.timeline = timeline
+        self._record = record
+        self._admitted, self._failed = admitted, failed
+        self.core = AdmissionCore(
+            CoreConfig(admission=admission, admission_config=sc.admission_config,
+                       idle_timeout_s=sc.idle_timeout_s, window_heartbeat_s=sc.window_heartbeat_s),
+            Listener(emit=self.publish, admitted=self._on_admitted, ended=self._on_ended),
+            oneshot_prefix="oneshot-sim-")
+        self.admission = admission
+        self._kicked = False
+        self._next_reap = 0.0
+        self._timer_on = False
+
+    # ------------------------------------------------------------------ hub
+    def publish(self, ev: dict[str, Any]) -> None:
+        """One event of the unified stream: recorded, then shown to the core."""
+        self._record(ev)
+        if self.core.observe(ev, self.clock()):
+            self._kicked = True
+
+    def emit(self, kind: str, *, session_id: str | None = None, ts: float | None = None,
+             **fields: Any) -> None:
+        self.publish(make_event(kind, session_id=session_id,
+                                ts=self.clock() if ts is None else ts, **fields))
+
+    # ------------------------------------------------------------------ requests
+    def arrive(self, sid: str, now: float, prompt_tokens: int) -> SessionState:
+        """May raise :class:`QueueFull` (the sidecar's 429)."""
+        new = sid not in self.core.sessions
+        s = self.core.arrive(sid, now, prompt_tokens=prompt_tokens if new else 0)
+        if not s.is_admitted:
+            s.waiting += 1
+            self._kicked = True
+            self._start_timer(now)
+            deadline = now + self.sidecar.admission_timeout_s
+            self.timeline.at(deadline, lambda t, s=s: self._timeout(s, t))
+        return s
+
+    def _timeout(self, s: SessionState, t: float) -> None:
+        if not s.is_admitted and not s.ended and s.waiting > 0:
+            waiting = s.waiting
+            for _ in range(waiting):
+                self.core.give_up(s, "error", t)
+            self._failed(s, f"session {s.id!r} was not admitted within "
+                            f"{self.sidecar.admission_timeout_s:g} s", t)
+
+    def forward(self, s: SessionState, now: float, last_round: bool) -> None:
+        self.core.forward(s, now, last_round=last_round)
+
+    def finish(self, s: SessionState, outcome: str, now: float) -> None:
+        self.core.finish(s, outcome, now)
+
+    def end_session(self, sid: str, reason: str, now: float) -> None:
+        self.core.end_session(sid, reason, now)
+
+    def _on_admitted(self, s: SessionState, queued_s: float) -> None:
+        if s.waiting:
+            waiting, s.waiting = s.waiting, 0
+            self._admitted(s, self.clock())
+
+    def _on_ended(self, s: SessionState, reason: str) -> None:
+        if s.waiting and not s.is_admitted:
+            s.waiting = 0
+            self._failed(s, f"session {s.id!r} ended ({reason}) while queued", self.clock())
+        self._kicked = True
+
+    # ------------------------------------------------------------------ steps
+    def _start_timer(self, now: float) -> None:
+        """The sidecar's periodic step; runs while anyone may need it (sessions exist)."""
+        if self._timer_on or not self.admission:
+            return
+        self._timer_on = True
+        self.timeline.at(now + self.sidecar.step_interval_s, self._tick)
+
+    def _tick(self, t: float) -> None:
+        core = self.core
+        core.step(t)
+        if t >= self._next_reap:
+            self._next_reap = t + min(1.0, self.sidecar.idle_timeout_s / 4)
+            core.reap_idle(t)
+        if core.sessions or core.queued:
+            self.timeline.at(t + self.sidecar.step_interval_s, self._tick)
+        else:
+            self._timer_on = False
+
+    def settle(self, now: float) -> None:
+        """The event-triggered step, once everything due at ``now`` has been seen."""
+        if self._kicked:
+            self._kicked = False
+            if self.admission:
+                self.core.step(now)

@@ -1,0 +1,359 @@
+"""The agents of a simulated run: each task of a trace, round by round, in virtual time.
+
+What the served stack does with ``mars replay --virtual-tool-cores N`` against
+``mars-vllm serve --emulate GPU:MODEL --policy P``, step for step:
+
+* a task arrives at its trace time (``load``) or when the previous one ended (``isolated``,
+  the ideal latency goodput is relative to; other content salt, as the replay does);
+* each round goes through the sidecar's admission core (:class:`~mars.sim.control.SimControl`)
+  -- a new session may queue, a full queue is the sidecar's 429 -- then into vLLM's engine with
+  the replay's exact prompt ids and output length (:class:`~mars.workloads.task_script.TaskScript`);
+* between rounds the recorded tool runs on the virtual cores, with the replay's
+  ``tool_enqueue`` / ``tool_start`` / ``tool_end`` events;
+* results are :class:`~mars.workloads.results.RunResult` (``results.json``) and every event of
+  the unified stream (``events.jsonl``), with run-relative times in *virtual* seconds.
+
+Liveness is checked, not assumed: a state where tasks wait and nothing runs or is due ends the
+run with :class:`SimError`, and so does a KV pool that does not balance at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mars.policy.registry import get_policy
+from mars.sidecar.admission_core import SessionState
+from mars.sim.clock import Timeline, VirtualClock
+from mars.sim.control import QueueFull, SimControl, sidecar_config
+from mars.sim.tools import VirtualCores
+from mars.workloads.goodput import DEFAULT_SLACKS
+from mars.workloads.prompts import DEFAULT_TOKEN_RANGE, TokenSpace
+from mars.workloads.replay import _trace_info, job_id
+from mars.workloads.results import RoundResult, RunResult, TaskResult
+from mars.workloads.task_script import RoundCall, TaskScript
+from mars.workloads.trace import Task, Trace
+
+#: the virtual clock's epoch: event times look like Unix times of 2023-11-14
+SIM_EPOCH = 1_700_000_000.0
+
+
+class SimError(RuntimeError):
+    """The simulated system broke an invariant (liveness, KV conservation)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    gpu: str
+    model: str
+    policy: str
+    #: virtual CPU cores for CPU-bound tools (the sidecar's CPU cap is told the same)
+    tool_cores: int = 8
+    seed: int = 0
+    salt: str = "run"
+    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
+    slacks: tuple[float, ...] = DEFAULT_SLACKS
+    #: more ``mars-vllm serve`` arguments (e.g. ``--max-num-seqs 256``)
+    engine_args: tuple[str, ...] = ()
+    progress: bool = True
+
+
+@dataclass(eq=False)
+class _TaskRun:
+    task: Task
+    result: TaskResult
+    script: TaskScript
+    sid: str
+    call: RoundCall | None = None
+    session: SessionState | None = None
+    rid: str = ""
+    submit: float = 0.0
+    forward: float = 0.0
+    first: float | None = None
+    cached: int | None = None
+    generated: list[int] = field(default_factory=list)
+
+
+class Simulation:
+    """One engine, one sidecar core, one set of tool cores: runs traces one after another
+    (the isolated run, then the load run, like ``mars replay --ideal auto``)."""
+
+    def __init__(self, cfg: SimConfig, *, events_path: str | Path | None = None) -> None:
+        from mars.vllm_patches.sim_engine import SimEngine
+
+        self.cfg = cfg
+        self.clock = VirtualClock(SIM_EPOCH)
+        self.timeline = Timeline()
+        self._events_file = open(events_path, "w", encoding="utf-8") if events_path else None
+        self.events_recorded = 0
+        self.control: SimControl | None = None
+        self._early: list[dict[str, Any]] = []  # engine events before the control exists
+        self.engine = SimEngine(cfg.gpu, cfg.model, cfg.policy, clock=self.clock,
+                                sink=self._engine_event, extra_args=cfg.engine_args)
+        self.control = SimControl(
+            sidecar_config(get_policy(cfg.policy).sidecar_admission, cfg.tool_cores,
+                           self.engine.block_size),
+            self.clock, self.timeline, admitted=self._admitted, failed=self._failed,
+            record=self._record)
+        for ev in self._early:
+            self.control.publish(ev)
+        self._early.clear()
+        self.cores = VirtualCores(cfg.tool_cores, self.timeline)
+        self._live: dict[str, _TaskRun] = {}  # engine request id -> its task
+        self._queued: dict[str, list[_TaskRun]] = {}  # session id -> rounds waiting for it
+        self._unfinished = 0
+        self._on_task_end: Callable[[_TaskRun, float], None] = lambda tr, t: None
+        self._t0 = SIM_EPOCH
+        self._bar: Any = None
+
+    # ------------------------------------------------------------------ events
+    def _record(self, ev: dict[str, Any]) -> None:
+        self.events_recorded += 1
+        if self._events_file is not None:
+            self._events_file.write(json.dumps(ev, separators=(",", ":")) + "\n")
+
+    def _engine_event(self, ev: dict[str, Any]) -> None:
+        if self.control is None:
+            self._early.append(ev)
+        else:
+            self.control.publish(ev)
+
+    # ------------------------------------------------------------------ a run
+    def run(self, trace: Trace, mode: str = "load", label: str | None = None,
+            ideal: dict[str, float] | None = None) -> RunResult:
+        cfg = self.cfg
+        salt = cfg.salt if mode == "load" else cfg.salt + "/ideal"
+        space = TokenSpace(cfg.seed, cfg.token_range[0], cfg.token_range[1], salt)
+        self._t0 = t0 = self.clock()
+        wall0 = time.monotonic()
+        steps0 = self.engine.pacer_stats.steps
+        preempt0 = self.engine.counters()["preempted"]
+        runs = [_TaskRun(t, TaskResult(t.task_id, t.arrival_s if mode == "load" else math.nan,
+                                       t.num_rounds),
+                         TaskScript(t, space, job_id(t.task_id, mode), self.engine.max_model_len),
+                         job_id(t.task_id, mode)) for t in trace.tasks]
+        self._unfinished = len(runs)
+        self._bar = _progress(cfg.progress, len(runs), label or mode)
+        if mode == "load":
+            self._on_task_end = lambda tr, t: None
+            for r in runs:
+                self.timeline.at(t0 + r.task.arrival_s, lambda t, r=r: self._start_task(r, t))
+        else:
+            pending = iter(runs)
+
+            def next_task(_: _TaskRun | None, t: float) -> None:
+                r = next(pending, None)
+                if r is not None:
+                    self.timeline.at(t, lambda tt, r=r: self._start_task(r, tt))
+
+            self._on_task_end = next_task
+            next_task(None, t0)
+        try:
+            self._loop()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+        t1 = self.clock()
+        ok, acc = self.engine.kv_balanced()
+        if not ok:
+            raise SimError(f"KV blocks do not balance after the run: {acc}")
+        for r in runs:
+            if ideal is not None and r.task.task_id in ideal:
+                r.result.ideal_s = ideal[r.task.task_id]
+        eng = self.engine
+        result = RunResult(
+            label=label or mode, mode=mode, trace=_trace_info(trace),
+            server={"url": f"sim://{cfg.gpu}:{cfg.model}", "model": eng.served_model,
+                    "root": None, "max_model_len": eng.max_model_len, "sidecar": True,
+                    "cache_config": {"block_size": eng.block_size,
+                                     "num_gpu_blocks": eng.num_blocks,
+                                     "enable_prefix_caching": True},
+                    "system_fingerprint": None,
+                    "emulated": {"gpu": cfg.gpu, "model": cfg.model, "simulated": True}},
+            config={"token_range": list(cfg.token_range), "seed": cfg.seed, "salt": salt,
+                    "tool_cores": [], "tool_workers": cfg.tool_cores, "tool_burn": "virtual",
+                    "policy": cfg.policy, "engine_args": list(cfg.engine_args),
+                    "slacks": list(cfg.slacks)},
+            run={"start_unix": t0, "end_unix": t1, "wall_s": t1 - t0, "interrupted": False,
+                 "simulated": True, "sim_wall_s": round(time.monotonic() - wall0, 3),
+                 "engine_steps": eng.pacer_stats.steps - steps0, "command": list(sys.argv)},
+            tasks=[r.result for r in runs],
+            server_metrics={"vllm:num_preemptions_total":
+                            float(eng.counters()["preempted"] - preempt0)},
+        )
+        result.cached_tokens_source = "usage"
+        result.notes.append(f"SIMULATED in virtual time: vLLM's engine on the EMULATED GPU "
+                            f"{cfg.gpu} x {cfg.model} (step-time model); times are virtual "
+                            "seconds")
+        return result.finalize(cfg.slacks)
+
+    def _loop(self) -> None:
+        clock, tl, eng, control = self.clock, self.timeline, self.engine, self.control
+        while self._unfinished:
+            now = clock()
+            tl.run_due(now)
+            control.settle(now)
+            if not self._unfinished:
+                break
+            if eng.has_work:
+                before = eng.pacer_stats.steps
+                outs = eng.step()
+                if outs:
+                    self._outputs(outs, clock())
+                if eng.pacer_stats.steps != before:
+                    continue
+                # the engine holds requests but scheduled nothing: only time can help
+            nxt = tl.next_due()
+            if nxt is None:
+                raise SimError(
+                    f"liveness: {self._unfinished} tasks unfinished, the engine "
+                    f"{'holds requests it does not schedule' if eng.has_work else 'is idle'} "
+                    f"and nothing is due (sessions queued: {control.core.queued}, "
+                    f"admitted: {control.core.in_use})")
+            clock.advance_to(nxt)
+
+    # ------------------------------------------------------------------ tasks
+    def _start_task(self, r: _TaskRun, t: float) -> None:
+        tr = r.result
+        tr.status = "running"
+        tr.start_s = t - self._t0
+        if math.isnan(tr.arrival_s):
+            tr.arrival_s = tr.start_s
+        reason = r.script.skip_reason()
+        if reason is not None:
+            tr.status, tr.error = "skipped", reason
+            self._task_done(r, t)
+            return
+        self._submit(r, t)
+
+    def _task_done(self, r: _TaskRun, t: float) -> None:
+        tr = r.result
+        if tr.rounds and tr.status in ("completed", "truncated"):
+            tr.finish_s = tr.rounds[-1].end_s
+        if tr.status in ("truncated", "error"):
+            # the replay tells the sidecar the session is over (it never sent last_round)
+            self.control.end_session(r.sid, {"truncated": "deleted"}.get(tr.status, "error"), t)
+        self._unfinished -= 1
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(f"virtual {t - self._t0:,.0f}s", refresh=False)
+        self._on_task_end(r, t)
+
+    def _fail(self, r: _TaskRun, msg: str, t: float) -> None:
+        r.result.status = "error"
+        r.result.error = f"round {len(r.result.rounds)}: {msg}"
+        self._task_done(r, t)
+
+    def _submit(self, r: _TaskRun, t: float) -> None:
+        r.call = call = r.script.call()
+        r.submit, r.first, r.cached, r.generated = t, None, None, []
+        try:
+            s = self.control.arrive(r.sid, t, len(call.prompt))
+        except QueueFull as exc:
+            self._fail(r, f"HTTP 429: {exc}: retry later", t)
+            return
+        r.session = s
+        if s.is_admitted:
+            self._forward(r, t)
+        else:
+            self._queued.setdefault(s.id, []).append(r)
+
+    def _admitted(self, s: SessionState, now: float) -> None:
+        for r in self._queued.pop(s.id, []):
+            self._forward(r, now)
+
+    def _failed(self, s: SessionState, reason: str, now: float) -> None:
+        for r in self._queued.pop(s.id, []):
+            self._fail(r, f"HTTP 503: {reason}", now)
+
+    def _forward(self, r: _TaskRun, t: float) -> None:
+        call = r.call
+        assert call is not None and r.session is not None
+        r.forward = t
+        r.rid = f"{r.sid}.r{call.index}"
+        self.control.forward(r.session, t, call.last)
+        self.control.emit("request_start", session_id=r.sid, ts=t, request_id=r.rid,
+                          round=call.index)
+        self._live[r.rid] = r
+        self.engine.add(r.rid, call.prompt, call.output_tokens, call.meta.to_extra_args())
+
+    def _outputs(self, outs, now: float) -> None:
+        live = self._live
+        for o in outs:
+            r = live.get(o.request_id)
+            if r is None:
+                continue
+            if r.first is None and o.new_token_ids:
+                r.first = now
+            if o.cached_tokens is not None:
+                r.cached = o.cached_tokens
+            r.generated.extend(o.new_token_ids)
+            if o.finished:
+                del live[o.request_id]
+                self._round_done(r, now)
+
+    def _round_done(self, r: _TaskRun, now: float) -> None:
+        call, t0 = r.call, self._t0
+        assert call is not None and r.session is not None
+        rr = RoundResult(
+            index=call.index, prompt_tokens=len(call.prompt), output_tokens=len(r.generated),
+            planned_output_tokens=call.output_tokens, submit_s=r.submit - t0,
+            first_token_s=None if r.first is None else r.first - t0, end_s=now - t0,
+            cached_tokens=r.cached, request_id=r.rid)
+        r.result.rounds.append(rr)
+        self.control.emit("request_end", session_id=r.sid, ts=now, request_id=r.rid,
+                          status=200, duration_s=now - r.forward)
+        self.control.finish(r.session, "ok", now)
+        if call.last:
+            r.result.status = "completed"
+            self._task_done(r, now)
+            return
+        reason = r.script.after(r.generated)
+        if reason is not None:
+            r.result.status, r.result.error = "truncated", reason
+            self._task_done(r, now)
+            return
+        self._tool(r, call, rr, now)
+
+    def _tool(self, r: _TaskRun, call: RoundCall, rr: RoundResult, now: float) -> None:
+        rnd, ctl, t0 = call.round, self.control, self._t0
+        tool, call_id = rnd.tool, f"{r.sid}.r{call.index}"
+        rr.tool, rr.tool_cpu_bound, rr.tool_duration_s = tool, rnd.cpu_bound, rnd.tool_duration_s
+        rr.tool_enqueue_s = now - t0
+        ctl.emit("tool_enqueue", session_id=r.sid, ts=now, tool=tool, round=call.index,
+                 call_id=call_id)
+
+        def started(t: float) -> None:
+            rr.tool_start_s = t - t0
+            ctl.emit("tool_start", session_id=r.sid, ts=t, tool=tool, round=call.index,
+                     call_id=call_id, cpu_bound=rnd.cpu_bound)
+
+        def ended(t: float) -> None:
+            rr.tool_end_s = t - t0
+            ctl.emit("tool_end", session_id=r.sid, ts=t, tool=tool, round=call.index,
+                     call_id=call_id, status="ok", duration_s=t - t0 - (rr.tool_start_s or 0.0))
+            self._submit(r, t)
+
+        self.cores.submit(now, rnd.tool_duration_s or 0.0, rnd.cpu_bound, started, ended)
+
+    def close(self) -> None:
+        try:
+            self.engine.close()
+        finally:
+            if self._events_file is not None:
+                self._events_file.close()
+
+
+def _progress(enabled: bool, total: int, desc: str) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="task", dynamic_ncols=True, file=sys.stderr,
+                mininterval=0.5)

@@ -1,0 +1,117 @@
+"""The simulator's own pieces, without vLLM: timeline, virtual tool cores, the admission
+core's virtual-time shell, and the task script the replay and the simulator share."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars.sim.clock import Timeline, VirtualClock
+from mars.sim.tools import VirtualCores
+
+
+def test_timeline_runs_due_callbacks_in_time_then_scheduling_order():
+    tl, seen = Timeline(), []
+    tl.at(2.0, lambda t: seen.append(("b", t)))
+    tl.at(1.0, lambda t: seen.append(("a", t)))
+    tl.at(2.0, lambda t: seen.append(("c", t)))
+    # a callback may schedule more work that is already due: it runs in the same pass
+    tl.at(1.5, lambda t: tl.at(t, lambda u: seen.append(("chained", u))))
+    assert tl.run_due(1.9) == 3 and seen == [("a", 1.0), ("chained", 1.5)]
+    assert tl.next_due() == 2.0
+    tl.run_due(5.0)
+    assert [s[0] for s in seen] == ["a", "chained", "b", "c"] and tl.next_due() is None
+
+
+def test_virtual_clock_never_runs_backwards():
+    c = VirtualClock(10.0)
+    c.advance(0.5)
+    c.advance_to(3.0)  # in the past: no effect
+    assert c() == 10.5
+    with pytest.raises(ValueError):
+        c.advance(-1)
+
+
+def test_cpu_bound_tools_queue_for_cores_light_tools_do_not():
+    tl, log = Timeline(), []
+    cores = VirtualCores(2, tl)
+
+    def tool(name, t, dur, cpu):
+        cores.submit(t, dur, cpu, lambda s: log.append((name, "start", s)),
+                     lambda e: log.append((name, "end", e)))
+
+    tool("a", 0.0, 10.0, True)
+    tool("b", 0.0, 4.0, True)
+    tool("c", 1.0, 3.0, True)     # both cores busy: waits for b (ends at 4)
+    tool("light", 1.0, 2.0, False)  # holds no core, starts at once
+    assert cores.running == 2 and cores.waiting == 1
+    tl.run_due(100.0)
+    starts = {n: t for n, what, t in log if what == "start"}
+    ends = {n: t for n, what, t in log if what == "end"}
+    assert starts == {"a": 0.0, "b": 0.0, "c": 4.0, "light": 1.0}
+    assert ends == {"a": 10.0, "b": 4.0, "c": 7.0, "light": 3.0}
+    assert cores.waited_s == pytest.approx(3.0) and cores.running == 0
+
+
+def test_control_admits_queued_sessions_and_times_them_out():
+    """The shell around the sidecar's AdmissionCore: a new session queues and is admitted
+    by the step the simulator settles at the same instant; one that is never admitted fails
+    after the sidecar's admission timeout."""
+    from mars.sim.control import SimControl, sidecar_config
+
+    clock, tl = VirtualClock(0.0), Timeline()
+    admitted, failed, events = [], [], []
+    sc = sidecar_config(True, 4, 16)
+    ctl = SimControl(sc, clock, tl, admitted=lambda s, t: admitted.append((s.id, t)),
+                     failed=lambda s, why, t: failed.append((s.id, why, t)),
+                     record=events.append)
+    s = ctl.arrive("job-1", 0.0, prompt_tokens=1000)
+    assert not s.is_admitted
+    ctl.settle(0.0)
+    assert admitted == [("job-1", 0.0)] and s.is_admitted
+    assert any(e["kind"] == "session_admit" for e in events)
+    ctl.forward(s, 0.0, last_round=True)
+    ctl.finish(s, "ok", 1.0)
+    assert any(e["kind"] == "session_end" and e["reason"] == "last_round" for e in events)
+    # a window of one, held: the next session waits, then times out
+    sc1 = sidecar_config(True, 4, 16)
+    sc1.admission_config.aimd.initial_window = sc1.admission_config.aimd.max_window = 1
+    sc1.admission_config.aimd.min_window = 1
+    ctl = SimControl(sc1, clock, tl, admitted=lambda s, t: admitted.append((s.id, t)),
+                     failed=lambda s, why, t: failed.append((s.id, why, t)), record=events.append)
+    a = ctl.arrive("a", 0.0, 10)
+    ctl.settle(0.0)
+    assert a.is_admitted
+    b = ctl.arrive("b", 0.0, 10)
+    ctl.settle(0.0)
+    assert not b.is_admitted
+    clock.advance_to(sc1.admission_timeout_s + 1)
+    tl.run_due(clock())
+    assert failed and failed[-1][0] == "b" and "not admitted within" in failed[-1][1]
+    assert "b" not in ctl.core.sessions
+
+
+def test_task_script_builds_the_replays_prompts_and_cuts_at_the_context_limit():
+    from mars.workloads.generator import generate
+    from mars.workloads.prompts import TokenSpace
+    from mars.workloads.task_script import TaskScript
+
+    task = next(t for t in generate("ILR-1", num_tasks=8, rate=1, seed=0) if t.num_rounds >= 3)
+    space = TokenSpace(0)
+    s = TaskScript(task, space, "job", None)
+    c0 = s.call()
+    assert c0.index == 0 and c0.meta.round == 0 and c0.meta.prev_tool is None
+    assert len(c0.prompt) == task.prefix_tokens + task.task_tokens
+    assert c0.output_tokens == task.rounds[0].output_tokens
+    gen = list(range(7, 7 + c0.output_tokens))
+    assert s.after(gen) is None
+    c1 = s.call()
+    r0 = task.rounds[0]
+    assert c1.prompt[:len(c0.prompt) + len(gen)] == c0.prompt + gen  # append-only history
+    assert len(c1.prompt) == len(c0.prompt) + len(gen) + r0.observation_tokens + r0.template_tokens
+    assert c1.meta.prev_tool == r0.tool and c1.meta.next_tool == task.rounds[1].tool
+    # a limit the second round does not fit: truncated after the first
+    limit = len(c1.prompt) + task.rounds[1].output_tokens - 1
+    s2 = TaskScript(task, space, "job", limit)
+    assert s2.skip_reason() is None
+    assert "would need" in s2.after(gen) and s2.k == 0
+    assert "over the server's max_model_len" in TaskScript(task, space, "j", 10).skip_reason()
