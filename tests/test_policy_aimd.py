@@ -372,3 +372,24 @@ def test_hysteresis_latch():
     seq = [(0, 1.2), (2, 1.2), (2.5, 0.8), (3, 1.2), (5.9, 1.5), (6, 1.1), (7, 0.7), (8, 0.5)]
     assert [p.update(v, t) for t, v in seq] == \
         [False, False, False, False, False, True, True, False]
+
+
+def test_slowdown_counts_as_overload_only_while_tools_fill_the_cores():
+    """Tool calls of one type vary tenfold in recorded agent traces: a long call on a machine
+    whose tool cores sit idle is the call's own length, not contention. The slowdown band
+    only acts while the tools fill the cores (load at the CPU band's leave threshold or
+    above). Found in ``mars sim``: at 0.1 tasks/s the window fell to one session on an idle
+    GPU and new sessions queued 70 s."""
+    def run(active: int) -> str:
+        ctl = WindowController(AIMDConfig(initial_window=8, backoff_ratio=0.75))
+        st = DualPressureState(PressureConfig(tool_cores=8, slowdown_min_samples=3))
+        for i in range(5):
+            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash", duration_s=1.0))
+        for i in range(10):  # five times the baseline
+            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash", duration_s=5.0))
+        tools(st, 0.0, active)
+        assert st.signals(0.0).tool_slowdown > 2.0
+        return ctl.update(st, in_use=8, now=0.0).mode
+
+    assert run(1) == "hold"  # one tool on eight cores: no contention to speak of
+    assert run(8) == "decrease"  # the cores are full and tools run slower: contention

@@ -377,7 +377,12 @@ class WindowController:
         kv_over = self._preempt.update(float(sig.preemptions), now) or kv_over
         compute_over = self._queue.update(sig.engine_queue_ratio, now)
         cpu_over = self._cpu.update(sig.cpu_load, now)
-        cpu_over = self._slow.update(sig.tool_slowdown, now) or cpu_over
+        # a slower tool call is evidence of contention only while the tools fill the cores
+        # (load at or above the CPU band's leave threshold): with cores idle it is the tool's
+        # own variance -- recorded agent tools of one type vary tenfold -- and, read as
+        # overload, it cut the window to one session on an idle GPU (found in mars sim)
+        slow = sig.tool_slowdown if sig.cpu_load >= c.cpu.leave else None
+        cpu_over = self._slow.update(slow, now) or cpu_over
         overloaded = kv_over or compute_over or cpu_over
 
         if self._last_eval is None:

@@ -1,0 +1,131 @@
+"""Fidelity of ``mars sim`` against the paced emulation it stands in for.
+
+For each operating point and policy, the same trace runs twice on the same emulated GPU and
+model: once through the whole served stack in real time (``mars-vllm serve --emulate GPU:MODEL
+--policy P --tool-cores N`` and ``mars replay --virtual-tool-cores N``: real HTTP, the real
+sidecar, the engine paced by the wall clock) and once in ``mars sim`` (the same engine, admission
+core and trace semantics in one process on a virtual clock). Printed: mean / P90 / P95 task
+latency, TTFT P50 / P90 and the Kolmogorov-Smirnov distance between the two per-round TTFT
+distributions, with the simulator's relative error. Both sides use ``--ideal skip``: goodput is
+not compared here.
+
+    .venv/bin/python experiments/sim_fidelity.py --points ILR-1:6:0.1,ILR-3:12:0.2 \\
+        --policies fcfs,mars
+
+Runs in real time (minutes per point and policy). Do not run it beside the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mars.launch import ServerProcess
+from mars.workloads.generator import generate
+from mars.workloads.results import read_results
+from mars.workloads.trace import write_trace
+
+
+def _ks(a: list[float], b: list[float]) -> float:
+    """Largest gap between the two empirical CDFs."""
+    if not a or not b:
+        return float("nan")
+    pts = sorted(set(a) | set(b))
+    sa, sb = sorted(a), sorted(b)
+    import bisect
+
+    return max(abs(bisect.bisect_right(sa, x) / len(sa) - bisect.bisect_right(sb, x) / len(sb))
+               for x in pts)
+
+
+def _paced(args, policy: str, trace_path: Path, out: Path) -> Path:
+    srv = ServerProcess(args=["--emulate", f"{args.gpu}:{args.model}", "--policy", policy,
+                              "--tool-cores", str(args.tool_cores)], startup_timeout_s=600)
+    with srv:
+        r = subprocess.run([sys.executable, "-m", "mars.cli", "replay", "--trace", str(trace_path),
+                            "--url", srv.url, "--virtual-tool-cores", str(args.tool_cores),
+                            "--ideal", "skip", "--no-plots", "--no-progress", "--label", policy,
+                            "--events-file", srv.events_file, "--out", str(out)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"replay failed ({r.returncode}): {r.stderr[-2000:]}")
+    return out
+
+
+def _sim(args, policy: str, trace_path: Path, out: Path) -> Path:
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace_path),
+                        "--gpu", args.gpu, "--model", args.model, "--policies", policy,
+                        "--tool-cores", str(args.tool_cores), "--ideal", "skip", "--no-plots",
+                        "--no-progress", "--out", str(out)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"sim failed ({r.returncode}): {r.stderr[-2000:]}")
+    return out / policy
+
+
+def _row(res) -> dict:
+    s = res.summary
+    lat, ttft = s["latency_s"], s["ttft_s"]
+    ttfts = [r.ttft_s for t in res.tasks for r in t.rounds if r.ttft_s is not None]
+    return {"mean": lat["mean"], "p90": lat["p90"], "p95": lat["p95"], "ttft_p50": ttft["p50"],
+            "ttft_p90": ttft["p90"], "ttfts": ttfts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", default="h100-nvl")
+    ap.add_argument("--model", default="qwen3-coder-30b-a3b")
+    ap.add_argument("--points", default="ILR-1:6:0.1,ILR-3:12:0.2",
+                    help="REGIME:TASKS:RATE,... (default %(default)s)")
+    ap.add_argument("--policies", default="fcfs,mars")
+    ap.add_argument("--tool-cores", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/sim-fidelity")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in args.points.split(","):
+        regime, n, rate = spec.split(":")
+        trace = generate(regime, num_tasks=int(n), rate=float(rate), seed=args.seed)
+        tdir = out / f"{regime}-{n}-{rate}"
+        tdir.mkdir(parents=True, exist_ok=True)
+        write_trace(trace, tdir / "trace.jsonl")
+        for policy in args.policies.split(","):
+            t0 = time.monotonic()
+            paced = read_results(_paced(args, policy, tdir / "trace.jsonl", tdir / f"paced-{policy}"))
+            t1 = time.monotonic()
+            sim = read_results(_sim(args, policy, tdir / "trace.jsonl", tdir / "sim"))
+            t2 = time.monotonic()
+            p, s = _row(paced), _row(sim)
+            rows.append((spec, policy, p, s, t1 - t0, t2 - t1))
+            print(f"{spec} {policy}: paced mean {p['mean']:.1f} s ({t1 - t0:.0f} s), "
+                  f"sim {s['mean']:.1f} s ({t2 - t1:.0f} s)", file=sys.stderr, flush=True)
+    print(f"\nEMULATED GPU {args.gpu} x {args.model}, {args.tool_cores} virtual tool cores; "
+          "paced = served stack in real time, sim = mars sim (virtual time)\n")
+    print("| point | policy | mean paced / sim (s) | err | P90 paced / sim (s) | err | "
+          "P95 paced / sim (s) | err | TTFT P50 paced / sim (s) | TTFT P90 paced / sim (s) | "
+          "TTFT KS | wall paced / sim (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    summary = []
+    for spec, policy, p, s, wp, ws in rows:
+        def err(k: str) -> str:
+            return f"{(s[k] - p[k]) / p[k] * 100:+.1f}%"
+        ks = _ks(p["ttfts"], s["ttfts"])
+        print(f"| {spec} | {policy} | {p['mean']:.1f} / {s['mean']:.1f} | {err('mean')} | "
+              f"{p['p90']:.1f} / {s['p90']:.1f} | {err('p90')} | {p['p95']:.1f} / {s['p95']:.1f} "
+              f"| {err('p95')} | {p['ttft_p50']:.3f} / {s['ttft_p50']:.3f} | "
+              f"{p['ttft_p90']:.2f} / {s['ttft_p90']:.2f} | {ks:.2f} | {wp:.0f} / {ws:.0f} |")
+        summary.append({"point": spec, "policy": policy,
+                        **{f"paced_{k}": v for k, v in p.items() if k != "ttfts"},
+                        **{f"sim_{k}": v for k, v in s.items() if k != "ttfts"},
+                        "ttft_ks": ks, "wall_paced_s": wp, "wall_sim_s": ws})
+    (out / "fidelity.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
