@@ -90,3 +90,27 @@ def test_cli_writes_replay_results_and_a_comparison(tmp_path):
                          "--ideal-cache", str(tmp_path / "ideal"), "--no-progress", "--no-plots"],
                         capture_output=True, text=True, timeout=600)
     assert r2.returncode == 0 and "ideal latencies from cache" in r2.stderr, r2.stderr[-2000:]
+
+
+def test_bench_sim_runs_a_grid_in_virtual_time(tmp_path):
+    """``mars bench --sim``: every (regime, rate, policy) point simulated, no server; points
+    in parallel stay comparable (virtual time); goodput against simulated ideal latencies
+    measured once per regime; ``--resume`` reuses every finished point."""
+    out = tmp_path / "bench"
+    args = [sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim", f"{GPU}:{MODEL}",
+            "--rates", "0.1,0.5", "--policies", "fcfs,mars", "--num-tasks", "3", "--jobs", "2",
+            "--ideal-cache", str(tmp_path / "ideal"), "--no-run-plots", "--out", str(out)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SIMULATED in virtual time" in r.stderr and "server start" in r.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["config"]["comparable"] is True and doc["config"]["sim"] == f"{GPU}:{MODEL}"
+    assert len(doc["points"]) == 4 and all(p["status"] == "done" for p in doc["points"])
+    assert not doc.get("servers")
+    for p in doc["points"]:
+        s = p["summary"]
+        assert s["tasks_done"] == 3 and s["latency_s"]["mean"] > 0 and s["goodput"], s
+    assert "ILR-1" in (out / "report.md").read_text()
+    r2 = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0 and "4 points (4 reused), 0 server start(s)" in r2.stderr, \
+        r2.stderr[-2000:]

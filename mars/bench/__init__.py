@@ -62,6 +62,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise BenchError("--resume needs --out DIR (the bench to continue)")
     if args.ideal not in ("auto", "skip") and not Path(args.ideal).exists():
         raise BenchError(f"--ideal: {args.ideal}: no such file")
+    if args.sim:
+        from mars.emulate.specs import GPUS, MODELS
+
+        gpu, _, model = args.sim.partition(":")
+        if gpu not in GPUS or model not in MODELS:
+            raise BenchError(f"--sim takes GPU:MODEL with GPU in {', '.join(GPUS)} and MODEL in "
+                             f"{', '.join(MODELS)} (got {args.sim!r})")
+        for flag in ("engine_cores", "tool_cores"):
+            if getattr(args, flag):
+                raise BenchError(f"--{flag.replace('_', '-')} pins real processes; --sim runs "
+                                 "in virtual time (use --tool-workers for its virtual tool cores)")
     return BenchConfig(
         regimes=regimes, rates=rates, policies=policies,
         out=Path(args.out) if args.out else default_out(regimes),
@@ -74,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tool_workers=args.tool_workers,
         request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
         run_plots=not args.no_run_plots, progress_interval=args.progress_interval,
-        resume=args.resume)
+        resume=args.resume, sim=args.sim)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -164,6 +175,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="skip each replay's own plots (the comparison plots are still drawn)")
     p.add_argument("--progress-interval", type=_positive_float, default=30.0, metavar="S",
                    help="seconds between progress lines (default 30)")
+    p.add_argument("--sim", metavar="GPU:MODEL",
+                   help="simulate every point in virtual time (mars sim, docs/sim.md) on this "
+                        "EMULATED GPU and model instead of serving it: no server; points run "
+                        "in parallel with --jobs and stay comparable; --server-args go to the "
+                        "simulated engine; --tool-workers sets its virtual tool cores "
+                        "(default 8), e.g. --sim h100-nvl:qwen3-coder-30b-a3b")
     p.add_argument("--out", metavar="DIR", help="output directory (default runs/bench-<regimes>-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the bench in --out: reuse its finished points")

@@ -44,6 +44,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -105,6 +106,15 @@ class BenchConfig:
     run_plots: bool = True
     progress_interval: float = 30.0
     resume: bool = False
+    #: "GPU:MODEL": simulate every point in virtual time (``mars sim``) instead of serving it
+    sim: str | None = None
+
+    #: virtual tool cores of a simulated point when --tool-workers is not given
+    SIM_TOOL_CORES = 8
+
+    @property
+    def sim_tool_cores(self) -> int:
+        return self.tool_workers or self.SIM_TOOL_CORES
 
     def settings(self) -> dict[str, Any]:
         """What must match for ``--resume`` to reuse earlier points."""
@@ -112,15 +122,17 @@ class BenchConfig:
                 "time_scale": self.time_scale, "max_rounds": self.max_rounds,
                 "context_limit": self.context_limit, "server_args": list(self.server_args),
                 "engine_cores": self.engine_cores, "tool_cores": self.tool_cores,
-                "pin": self.pin, "tool_burn": self.tool_burn, "tool_workers": self.tool_workers}
+                "pin": self.pin, "tool_burn": self.tool_burn, "tool_workers": self.tool_workers,
+                "sim": self.sim}
 
     def to_json(self) -> dict[str, Any]:
         return {"regimes": self.regimes, "rates": self.rates, "policies": self.policies,
                 **self.settings(), "jobs": self.jobs, "restart": self.restart,
                 "ideal": self.ideal, "slacks": list(self.slacks),
                 "request_timeout_s": self.request_timeout,
-                # concurrent servers share the CPU: their latencies are not comparable
-                "comparable": self.jobs == 1}
+                # concurrent servers share the CPU: their latencies are not comparable;
+                # simulated points run in virtual time, which nothing else shares
+                "comparable": self.jobs == 1 or self.sim is not None}
 
 
 def resolve_policies(text: str | None, ablation: bool) -> list[str]:
@@ -420,7 +432,7 @@ class Bench:
                 raise BenchError(f"--resume: {cfg.out} was run with other settings "
                                  f"({', '.join(diff)}); use the same options or another --out")
 
-        if cfg.jobs > 1:
+        if cfg.jobs > 1 or cfg.sim:
             self.engine_cores = self.tool_cores = None
             if cfg.tool_cores:
                 self.tool_cores = cfg.tool_cores
@@ -486,7 +498,11 @@ class Bench:
                  f" x policies {', '.join(cfg.policies)}: {len(self.points)} points "
                  f"({len(self.points) - len(todo)} reused), {n_servers} server start(s), "
                  f"{cfg.num_tasks} tasks per point; output {cfg.out}")
-        if cfg.jobs > 1:
+        if cfg.sim:
+            self.say(f"mars bench: SIMULATED in virtual time (mars sim) on the EMULATED GPU "
+                     f"{cfg.sim}, {cfg.sim_tool_cores} virtual tool cores; {cfg.jobs} point(s) "
+                     "at a time (virtual time: latencies stay comparable)")
+        elif cfg.jobs > 1:
             self.say(f"mars bench: --jobs {cfg.jobs}: servers run concurrently and share the "
                      "CPU, so latencies are NOT comparable across policies (smoke-test mode)")
         elif self.engine_cores:
@@ -519,6 +535,8 @@ class Bench:
         so the next point would start from the previous point's end, not from scratch."""
         from mars.policy.registry import get_policy
 
+        if self.cfg.sim:  # no server: every point is its own simulation
+            return [(p.label(), [p]) for p in todo]
         out: list[tuple[str, list[Point]]] = []
         for pol in self.cfg.policies:
             pts = [p for p in todo if p.policy == pol]
@@ -610,6 +628,13 @@ class Bench:
         if self.stop.is_set():
             for p in points:
                 p.status = "not_run"
+            return
+        if self.cfg.sim:
+            for p in points:
+                if self.stop.is_set():
+                    p.status = "not_run"
+                    continue
+                self._point(None, p)
             return
         policy = points[0].policy
         sdir = self.cfg.out / "servers" / policy
@@ -712,10 +737,29 @@ class Bench:
                 self.ideal_state[regime] = path  # None: the next point tries again
                 self.ideal_cond.notify_all()
 
+    def _sim_cmd(self, p: Point, ideal: str) -> list[str]:
+        cfg = self.cfg
+        gpu, _, model = (cfg.sim or "").partition(":")
+        cmd = [sys.executable, "-m", "mars.cli", "sim", "run",
+               "--trace", str(self.traces[(p.regime, rate_key(p.rate))]),
+               "--gpu", gpu, "--model", model, "--policies", p.policy, "--flat",
+               "--out", p.dir, "--seed", str(cfg.seed), "--ideal", ideal,
+               "--tool-cores", str(cfg.sim_tool_cores), "--no-progress",
+               "--slacks", ",".join(f"{s:g}" for s in cfg.slacks)]
+        if cfg.server_args:
+            cmd += ["--engine-args", shlex.join(cfg.server_args)]
+        if cfg.ideal_cache:
+            cmd += ["--ideal-cache", cfg.ideal_cache]
+        if not cfg.run_plots:
+            cmd.append("--no-plots")
+        return cmd
+
     def _replay_cmd(self, srv, p: Point, ideal: str) -> list[str]:
         from mars.workloads.toolpool import format_cores
 
         cfg = self.cfg
+        if cfg.sim:
+            return self._sim_cmd(p, ideal)
         server_hash = hashlib.sha256(json.dumps(cfg.server_args).encode()).hexdigest()[:10]
         tag = (f"mars-bench engine={format_cores(self.engine_cores) if self.engine_cores else '-'}"
                f" server={server_hash}")

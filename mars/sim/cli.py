@@ -101,7 +101,7 @@ def run_point(args: argparse.Namespace, policy: str, trace, ideal: dict[str, flo
     from mars.sim.runner import Simulation
     from mars.workloads.results import write_results
 
-    pdir = out / policy
+    pdir = out if args.flat else out / policy
     pdir.mkdir(parents=True, exist_ok=True)
     sim = Simulation(point_config(args, policy), events_path=pdir / "events.jsonl")
     try:
@@ -133,6 +133,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mars.workloads.trace import TraceError, dumps_trace, write_trace
 
     _gpu_model(args)
+    if args.flat and len(args.policies) != 1:
+        print("mars sim: --flat writes one policy's results into --out: give one policy",
+              file=sys.stderr)
+        return 1
     try:
         trace = build_trace(args)
     except (ValueError, TraceError, OSError) as e:
@@ -173,6 +177,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         for p in args.policies:
             paths.append(str(run_point(args, p, trace, ideal, out)))
     results = [read_results(p) for p in paths]
+    if args.flat:
+        r = results[0]
+        lat = r.summary.get("latency_s") or {}
+        print(f"mars sim: {r.label}: {r.summary.get('tasks')}, latency mean "
+              f"{lat.get('mean') or float('nan'):.2f} s (virtual; {r.run.get('sim_wall_s')} s of "
+              f"wall time)", file=sys.stderr)
+        failed = r.summary.get("tasks", {}).get("error")
+        return 3 if failed else 0
     report = format_report(results, names=args.policies, slacks=args.slacks)
     (out / "report.md").write_text(report + "\n")
     print(report)
@@ -228,6 +240,9 @@ def register(sub) -> None:
     r.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
                    help="goodput slack factors (default 2,3,5)")
     r.add_argument("--out", metavar="DIR", help="output directory (default runs/sim-...)")
+    r.add_argument("--flat", action="store_true",
+                   help="one policy: write its results.json and events.jsonl into --out itself "
+                        "(no per-policy directory, no report; used by mars bench --sim)")
     r.add_argument("--no-plots", action="store_true", help="no PNG plots")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
