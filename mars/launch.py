@@ -177,8 +177,13 @@ class ServerProcess:
                 self._wait_ready()
                 return self
             except RuntimeError:
-                taken = "address already in use" in self.tail(5).lower()
-                if not (taken and (pick_port or pick_engine)) or attempt == PORT_RETRIES:
+                tail = self.tail(60).lower()
+                # the public port is bound (and named) by mars-vllm itself; any other taken
+                # port is the engine's
+                public = "cannot listen on" in tail
+                retry = "address already in use" in tail and (
+                    pick_port if public else pick_engine and self.sidecar)
+                if not retry or attempt == PORT_RETRIES:
                     raise
         raise AssertionError("unreachable")
 

@@ -319,3 +319,18 @@ def test_a_dead_sidecar_takes_the_server_down(monkeypatch):
         assert "the sidecar exited with status -9" in srv.tail(200)
         assert not _wait_gone(procs, 20)
         assert not os.path.exists(_ipc_path(srv))
+
+
+def test_group_sigterm_is_a_stop_not_a_sidecar_failure():
+    """SIGTERM to the whole process group (systemd's default, Ctrl-C): the sidecar dies of
+    the signal within a second (uvicorn re-raises it) while the engine still drains. That is
+    the same stop request, not a failed sidecar: no failure line, no second signal into the
+    engine's teardown, and nothing left behind."""
+    with engine_server() as srv:
+        procs = _tree(srv.proc.pid)
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        srv.proc.wait(timeout=90)
+        log = srv.tail(400)
+        assert "the sidecar exited with status" not in log, log[-3000:]
+        assert "the sidecar was stopped" not in log, log[-3000:]
+        assert not _wait_gone(procs, 20)

@@ -102,7 +102,7 @@ def test_bench_sim_runs_a_grid_in_virtual_time(tmp_path):
             "--ideal-cache", str(tmp_path / "ideal"), "--no-run-plots", "--out", str(out)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "SIMULATED in virtual time" in r.stderr and "server start" in r.stderr
+    assert "SIMULATED in virtual time" in r.stderr and "4 simulation(s)" in r.stderr
     doc = json.loads((out / "bench.json").read_text())
     assert doc["config"]["comparable"] is True and doc["config"]["sim"] == f"{GPU}:{MODEL}"
     assert len(doc["points"]) == 4 and all(p["status"] == "done" for p in doc["points"])
@@ -112,7 +112,7 @@ def test_bench_sim_runs_a_grid_in_virtual_time(tmp_path):
         assert s["tasks_done"] == 3 and s["latency_s"]["mean"] > 0 and s["goodput"], s
     assert "ILR-1" in (out / "report.md").read_text()
     r2 = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
-    assert r2.returncode == 0 and "4 points (4 reused), 0 server start(s)" in r2.stderr, \
+    assert r2.returncode == 0 and "4 points (4 reused), 0 simulation(s)" in r2.stderr, \
         r2.stderr[-2000:]
 
 

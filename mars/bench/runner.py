@@ -496,7 +496,8 @@ class Bench:
         self.groups_left = n_servers
         self.say(f"mars bench: {', '.join(cfg.regimes)} x rates {', '.join(rate_key(r) for r in cfg.rates)}"
                  f" x policies {', '.join(cfg.policies)}: {len(self.points)} points "
-                 f"({len(self.points) - len(todo)} reused), {n_servers} server start(s), "
+                 f"({len(self.points) - len(todo)} reused), {n_servers} "
+                 f"{'simulation(s)' if cfg.sim else 'server start(s)'}, "
                  f"{cfg.num_tasks} tasks per point; output {cfg.out}")
         if cfg.sim:
             self.say(f"mars bench: SIMULATED in virtual time (mars sim) on the EMULATED GPU "
@@ -728,10 +729,14 @@ class Bench:
                 if ideal and all(v is not None and v > 0 for v in ideal.values()):
                     src = (res.config.get("ideal") or {}).get("source")
                     path = save_cached(
-                        regime, {"regime": regime, "measured_on": policy, "via": src,
+                        regime, {"regime": regime,
+                                 "measured_on": "fcfs, simulated" if self.cfg.sim else policy,
+                                 "via": src,
                                  "trace_sha256": res.trace.get("sha256")},
                         ideal, self.cfg.out / "ideal",
-                        source=f"mars bench: isolated replay on the {policy} server")
+                        source="mars bench --sim: each task alone in the simulator (fcfs)"
+                        if self.cfg.sim else
+                        f"mars bench: isolated replay on the {policy} server")
         finally:
             with self.ideal_cond:
                 self.ideal_state[regime] = path  # None: the next point tries again

@@ -15,6 +15,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,10 @@ DEFAULT_GPU = "h100-nvl"
 DEFAULT_MODEL = "qwen3-coder-30b-a3b"
 #: the policy the isolated (ideal) run is simulated under
 IDEAL_POLICY = "fcfs"
+#: mars-vllm serve flags that configure the sidecar: the simulator builds its admission core
+#: from the sidecar's defaults, the policy and --tool-cores, so these are refused, not ignored
+SIDECAR_FLAGS = frozenset({"--sidecar-args", "--no-sidecar", "--tool-cores", "--api-key",
+                           "--mars-events-api-key"})
 
 
 def _policies(text: str) -> list[str]:
@@ -55,7 +60,7 @@ def point_config(args: argparse.Namespace, policy: str):
 
     return SimConfig(gpu=args.gpu, model=args.model, policy=policy,
                      tool_cores=args.tool_cores, seed=args.seed, slacks=tuple(args.slacks),
-                     engine_args=tuple(args.engine_args.split()) if args.engine_args else (),
+                     engine_args=tuple(shlex.split(args.engine_args)) if args.engine_args else (),
                      progress=not args.no_progress and args.jobs == 1)
 
 
@@ -133,6 +138,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mars.workloads.trace import TraceError, dumps_trace, write_trace
 
     _gpu_model(args)
+    try:
+        extra = shlex.split(args.engine_args or "")
+    except ValueError as e:
+        print(f"mars sim: --engine-args: {e}", file=sys.stderr)
+        return 1
+    bad = [a for a in extra if a.split("=")[0] in SIDECAR_FLAGS]
+    if bad:
+        print(f"mars sim: --engine-args: {bad[0]} configures the sidecar, which mars sim "
+              "models from its defaults (use mars sim's own --tool-cores)", file=sys.stderr)
+        return 1
     if args.flat and len(args.policies) != 1:
         print("mars sim: --flat writes one policy's results into --out: give one policy",
               file=sys.stderr)

@@ -47,7 +47,8 @@ class SimControl:
     def __init__(self, sidecar: SidecarConfig, clock: VirtualClock, timeline: Timeline, *,
                  admitted: Callable[[SessionState, float], None],
                  failed: Callable[[SessionState, str, float], None],
-                 record: Callable[[dict[str, Any]], None]) -> None:
+                 record: Callable[[dict[str, Any]], None],
+                 running: Callable[[], bool] = lambda: True) -> None:
         sc = self.sidecar = sidecar
         admission = sc.admission
         self.clock = clock
@@ -63,6 +64,10 @@ class SimControl:
         self._kicked = False
         self._next_reap = 0.0
         self._timer_on = False
+        self._running = running
+        #: sessions the core admitted during a step: forwarded once the step has emitted its
+        #: window_update / session_admit (the served waiters wake on a later loop iteration)
+        self._newly_admitted: list[SessionState] = []
 
     # ------------------------------------------------------------------ hub
     def publish(self, ev: dict[str, Any]) -> None:
@@ -81,10 +86,10 @@ class SimControl:
         """May raise :class:`QueueFull` (the sidecar's 429)."""
         new = sid not in self.core.sessions
         s = self.core.arrive(sid, now, prompt_tokens=prompt_tokens if new else 0)
+        self._start_timer(now)
         if not s.is_admitted:
             s.waiting += 1
             self._kicked = True
-            self._start_timer(now)
             deadline = now + self.sidecar.admission_timeout_s
             self.timeline.at(deadline, lambda t, s=s: self._timeout(s, t))
         return s
@@ -108,8 +113,14 @@ class SimControl:
 
     def _on_admitted(self, s: SessionState, queued_s: float) -> None:
         if s.waiting:
-            waiting, s.waiting = s.waiting, 0
-            self._admitted(s, self.clock())
+            s.waiting = 0
+            self._newly_admitted.append(s)
+
+    def _step(self, now: float) -> None:
+        self.core.step(now)
+        admitted, self._newly_admitted = self._newly_admitted, []
+        for s in admitted:
+            self._admitted(s, now)
 
     def _on_ended(self, s: SessionState, reason: str) -> None:
         if s.waiting and not s.is_admitted:
@@ -119,19 +130,20 @@ class SimControl:
 
     # ------------------------------------------------------------------ steps
     def _start_timer(self, now: float) -> None:
-        """The sidecar's periodic step; runs while anyone may need it (sessions exist)."""
-        if self._timer_on or not self.admission:
+        """The sidecar's periodic step and idle reaping (with admission off too, as served);
+        runs while the simulator has work (``running``)."""
+        if self._timer_on:
             return
         self._timer_on = True
         self.timeline.at(now + self.sidecar.step_interval_s, self._tick)
 
     def _tick(self, t: float) -> None:
-        core = self.core
-        core.step(t)
+        if self.admission:
+            self._step(t)
         if t >= self._next_reap:
             self._next_reap = t + min(1.0, self.sidecar.idle_timeout_s / 4)
-            core.reap_idle(t)
-        if core.sessions or core.queued:
+            self.core.reap_idle(t)
+        if self._running():
             self.timeline.at(t + self.sidecar.step_interval_s, self._tick)
         else:
             self._timer_on = False
@@ -141,4 +153,4 @@ class SimControl:
         if self._kicked:
             self._kicked = False
             if self.admission:
-                self.core.step(now)
+                self._step(now)

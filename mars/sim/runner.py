@@ -90,17 +90,18 @@ class Simulation:
         self.cfg = cfg
         self.clock = VirtualClock(SIM_EPOCH)
         self.timeline = Timeline()
-        self._events_file = open(events_path, "w", encoding="utf-8") if events_path else None
+        self._events_file = None
         self.events_recorded = 0
         self.control: SimControl | None = None
         self._early: list[dict[str, Any]] = []  # engine events before the control exists
         self.engine = SimEngine(cfg.gpu, cfg.model, cfg.policy, clock=self.clock,
                                 sink=self._engine_event, extra_args=cfg.engine_args)
+        self._events_file = open(events_path, "w", encoding="utf-8") if events_path else None
         self.control = SimControl(
             sidecar_config(get_policy(cfg.policy).sidecar_admission, cfg.tool_cores,
                            self.engine.block_size),
             self.clock, self.timeline, admitted=self._admitted, failed=self._failed,
-            record=self._record)
+            record=self._record, running=lambda: self._unfinished > 0)
         for ev in self._early:
             self.control.publish(ev)
         self._early.clear()
@@ -108,6 +109,10 @@ class Simulation:
         self._live: dict[str, _TaskRun] = {}  # engine request id -> its task
         self._queued: dict[str, list[_TaskRun]] = {}  # session id -> rounds waiting for it
         self._unfinished = 0
+        #: tools running (light or holding a core) and tasks not yet arrived: with neither,
+        #: and no engine step, nothing but the sidecar can move (liveness)
+        self._tools_running = 0
+        self._arrivals_pending = 0
         self._on_task_end: Callable[[_TaskRun, float], None] = lambda tr, t: None
         self._t0 = SIM_EPOCH
         self._bar: Any = None
@@ -142,6 +147,7 @@ class Simulation:
         self._bar = _progress(cfg.progress, len(runs), label or mode)
         if mode == "load":
             self._on_task_end = lambda tr, t: None
+            self._arrivals_pending = len(runs)
             for r in runs:
                 self.timeline.at(t0 + r.task.arrival_s, lambda t, r=r: self._start_task(r, t))
         else:
@@ -195,6 +201,11 @@ class Simulation:
 
     def _loop(self) -> None:
         clock, tl, eng, control = self.clock, self.timeline, self.engine, self.control
+        #: since when nothing has run: no engine step, no tool, no arrival to come
+        stalled_since: float | None = None
+        # a state the sidecar's next steps could still resolve (a session queued this
+        # instant is admitted at the next event-kicked or periodic step) is not a stall yet
+        grace = 4 * control.sidecar.step_interval_s + 1.0
         while self._unfinished:
             now = clock()
             tl.run_due(now)
@@ -207,19 +218,33 @@ class Simulation:
                 if outs:
                     self._outputs(outs, clock())
                 if eng.pacer_stats.steps != before:
+                    stalled_since = None
                     continue
                 # the engine holds requests but scheduled nothing: only time can help
+            if self._tools_running or self._arrivals_pending:
+                stalled_since = None
+            elif stalled_since is None:
+                stalled_since = now
+            elif now - stalled_since > grace:
+                raise self._stall(f"nothing has run for {now - stalled_since:.1f} s")
             nxt = tl.next_due()
             if nxt is None:
-                raise SimError(
-                    f"liveness: {self._unfinished} tasks unfinished, the engine "
-                    f"{'holds requests it does not schedule' if eng.has_work else 'is idle'} "
-                    f"and nothing is due (sessions queued: {control.core.queued}, "
-                    f"admitted: {control.core.in_use})")
+                raise self._stall("nothing is due")
             clock.advance_to(nxt)
+
+    def _stall(self, what: str) -> SimError:
+        eng, core = self.engine, self.control.core
+        return SimError(
+            f"liveness: {self._unfinished} tasks unfinished, {what}: the engine "
+            f"{'holds requests it does not schedule' if eng.has_work else 'is idle'}, no tool "
+            f"runs, no task is still to arrive (sessions queued: {core.queued}, admitted: "
+            f"{core.in_use}, engine running {len(eng.scheduler.running)}, waiting "
+            f"{len(eng.scheduler.waiting)})")
 
     # ------------------------------------------------------------------ tasks
     def _start_task(self, r: _TaskRun, t: float) -> None:
+        if r.task.arrival_s is not None and self._arrivals_pending:
+            self._arrivals_pending -= 1
         tr = r.result
         tr.status = "running"
         tr.start_s = t - self._t0
@@ -307,8 +332,9 @@ class Simulation:
             first_token_s=None if r.first is None else r.first - t0, end_s=now - t0,
             cached_tokens=r.cached, request_id=r.rid)
         r.result.rounds.append(rr)
+        # the sidecar times a call from its receipt, admission wait included
         self.control.emit("request_end", session_id=r.sid, ts=now, request_id=r.rid,
-                          status=200, duration_s=now - r.forward)
+                          status=200, duration_s=now - r.submit)
         self.control.finish(r.session, "ok", now)
         if call.last:
             r.result.status = "completed"
@@ -329,18 +355,21 @@ class Simulation:
         ctl.emit("tool_enqueue", session_id=r.sid, ts=now, tool=tool, round=call.index,
                  call_id=call_id)
 
+        self._tools_running += 1
+
         def started(t: float) -> None:
             rr.tool_start_s = t - t0
             ctl.emit("tool_start", session_id=r.sid, ts=t, tool=tool, round=call.index,
                      call_id=call_id, cpu_bound=rnd.cpu_bound)
 
         def ended(t: float) -> None:
+            self._tools_running -= 1
             rr.tool_end_s = t - t0
             ctl.emit("tool_end", session_id=r.sid, ts=t, tool=tool, round=call.index,
-                     call_id=call_id, status="ok", duration_s=t - t0 - (rr.tool_start_s or 0.0))
+                     call_id=call_id, status="ok", duration_s=t - run.start)
             self._submit(r, t)
 
-        self.cores.submit(now, rnd.tool_duration_s or 0.0, rnd.cpu_bound, started, ended)
+        run = self.cores.submit(now, rnd.tool_duration_s or 0.0, rnd.cpu_bound, started, ended)
 
     def close(self) -> None:
         try:

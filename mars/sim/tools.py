@@ -67,8 +67,8 @@ class VirtualCores:
             run.end = t
             if holds:
                 self.busy -= 1
-                if self.queue:
-                    self._start(self.queue.popleft(), t, holds=True)
             run.on_end(t)
+            if holds and self.queue and self.busy < self.cores:
+                self._start(self.queue.popleft(), t, holds=True)
 
         self.timeline.at(now + run.duration_s, done)

@@ -297,17 +297,30 @@ _sidecar_failed: int | None = None
 _stopping_sidecar = threading.Event()
 
 
-def _watch_sidecar(proc) -> None:
+#: signals a sidecar dies of when it was asked to stop (uvicorn re-raises the one it caught)
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def _watch_sidecar(proc, grace_s: float) -> None:
     """Take the server down when its sidecar exits: the engine alone on its loopback port
     serves nobody, and a supervisor sees a live process that never answers (a liveness
-    defect, not a degraded mode). A failure (non-zero status) makes the command exit 1;
-    a sidecar that stopped because the whole group got SIGTERM only repeats that signal,
-    which uvicorn treats as the same request to shut down."""
+    defect, not a degraded mode).
+
+    A sidecar that failed (an error status, a crash, SIGKILL) stops the engine at once and
+    makes the command exit 1. One stopped by a stop signal was usually stopped with us (the
+    process group's SIGTERM, Ctrl-C): we are draining already, and a second signal could
+    land in vLLM's teardown, so it waits for our own drain bound (``grace_s``) and signals
+    us only if we are still running by then (the sidecar alone was stopped)."""
     global _sidecar_failed
     code = proc.wait()
     if _stopping_sidecar.is_set():
         return
-    if code != 0:
+    if code < 0 and -code in _STOP_SIGNALS:
+        if _stopping_sidecar.wait(grace_s):
+            return
+        print(f"mars-vllm: the sidecar was stopped (signal {-code}); stopping the engine too",
+              file=sys.stderr, flush=True)
+    else:
         _sidecar_failed = code
         print(f"mars-vllm: the sidecar exited with status {code} (see its lines above); "
               "shutting the engine down", file=sys.stderr, flush=True)
@@ -381,7 +394,8 @@ def start_sidecar(args: argparse.Namespace):
                 proc.kill()
 
     atexit.register(_stop)
-    threading.Thread(target=_watch_sidecar, args=(proc,), name="mars-sidecar-watch",
+    grace = float(getattr(args, "shutdown_timeout", 0) or 0) + 10.0
+    threading.Thread(target=_watch_sidecar, args=(proc, grace), name="mars-sidecar-watch",
                      daemon=True).start()
     args.host, args.port = "127.0.0.1", engine_port
     print(f"mars: sidecar on {public_host}:{public_port} (admission {admission}, pid {proc.pid})"

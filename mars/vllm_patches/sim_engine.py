@@ -95,6 +95,9 @@ class SimEngine:
         self.vllm_config = EngineArgs.from_cli_args(args).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER)
         self.core = EngineCore(self.vllm_config, EmulatedExecutor, log_stats=False)
+        # one step = schedule, execute, update (the emulated executor runs vLLM's synchronous
+        # loop; a batch queue would pipeline steps and step() would not be the engine's step)
+        assert self.core.batch_queue is None and self.core.step_fn == self.core.step
         worker = self.core.model_executor.driver_worker
         self.pacer = VirtualPacer(clock.advance)
         worker.pacer = self.pacer
