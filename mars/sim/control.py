@@ -50,17 +50,15 @@ class SimControl:
                  record: Callable[[dict[str, Any]], None],
                  running: Callable[[], bool] = lambda: True) -> None:
         sc = self.sidecar = sidecar
-        admission = sc.admission
         self.clock = clock
         self.timeline = timeline
         self._record = record
         self._admitted, self._failed = admitted, failed
         self.core = AdmissionCore(
-            CoreConfig(admission=admission, admission_config=sc.admission_config,
+            CoreConfig(admission=sc.admission, admission_config=sc.admission_config,
                        idle_timeout_s=sc.idle_timeout_s, window_heartbeat_s=sc.window_heartbeat_s),
             Listener(emit=self.publish, admitted=self._on_admitted, ended=self._on_ended),
             oneshot_prefix="oneshot-sim-")
-        self.admission = admission
         self._kicked = False
         self._next_reap = 0.0
         self._timer_on = False
@@ -138,7 +136,7 @@ class SimControl:
         self.timeline.at(now + self.sidecar.step_interval_s, self._tick)
 
     def _tick(self, t: float) -> None:
-        if self.admission:
+        if self.sidecar.admission:
             self._step(t)
         if t >= self._next_reap:
             self._next_reap = t + min(1.0, self.sidecar.idle_timeout_s / 4)
@@ -152,5 +150,5 @@ class SimControl:
         """The event-triggered step, once everything due at ``now`` has been seen."""
         if self._kicked:
             self._kicked = False
-            if self.admission:
+            if self.sidecar.admission:
                 self._step(now)

@@ -35,7 +35,7 @@ from mars.sim.control import QueueFull, SimControl, sidecar_config
 from mars.sim.tools import VirtualCores
 from mars.workloads.goodput import DEFAULT_SLACKS
 from mars.workloads.prompts import DEFAULT_TOKEN_RANGE, TokenSpace
-from mars.workloads.replay import _trace_info, job_id
+from mars.workloads.replay import job_id, trace_info
 from mars.workloads.results import RoundResult, RunResult, TaskResult
 from mars.workloads.task_script import RoundCall, TaskScript
 from mars.workloads.trace import Task, Trace
@@ -174,7 +174,7 @@ class Simulation:
                 r.result.ideal_s = ideal[r.task.task_id]
         eng = self.engine
         result = RunResult(
-            label=label or mode, mode=mode, trace=_trace_info(trace),
+            label=label or mode, mode=mode, trace=trace_info(trace),
             server={"url": f"sim://{cfg.gpu}:{cfg.model}", "model": eng.served_model,
                     "root": None, "max_model_len": eng.max_model_len, "sidecar": True,
                     "cache_config": {"block_size": eng.block_size,
@@ -243,7 +243,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ tasks
     def _start_task(self, r: _TaskRun, t: float) -> None:
-        if r.task.arrival_s is not None and self._arrivals_pending:
+        if self._arrivals_pending:  # load mode: one fewer arrival to come
             self._arrivals_pending -= 1
         tr = r.result
         tr.status = "running"

@@ -134,6 +134,19 @@ class KvAccount:
         return self.free + self.used + self.pinned == self.total
 
 
+def kv_account(sched, pins=None) -> KvAccount:
+    """Where every block of ``sched``'s pool is; ``pins``: the mars scheduler's pin table
+    (None for stock vLLM). Shared by the offline engine and the simulator."""
+    pool = sched.kv_cache_manager.block_pool
+    used: set[int] = set()
+    for mgr in sched.kv_cache_manager.coordinator.single_type_managers:
+        for blocks in mgr.req_to_blocks.values():
+            used.update(b.block_id for b in blocks if not b.is_null)
+    pinned = pins.block_ids() - used if pins is not None else set()
+    return KvAccount(total=pool.num_gpu_blocks - 1, free=pool.get_num_free_blocks(),
+                     used=len(used), pinned=len(pinned))
+
+
 class OfflineEngine:
     """One scheduler; requests are added by the caller; ``step()`` runs one engine step."""
 
@@ -235,15 +248,7 @@ class OfflineEngine:
         return self.sched.kv_cache_manager.block_pool
 
     def kv_account(self) -> KvAccount:
-        pool = self.pool
-        total = pool.num_gpu_blocks - 1
-        used: set[int] = set()
-        for mgr in self.sched.kv_cache_manager.coordinator.single_type_managers:
-            for blocks in mgr.req_to_blocks.values():
-                used.update(b.block_id for b in blocks if not b.is_null)
-        pinned = self.sched.mars_cosched.pins.block_ids() - used if self.is_mars else set()
-        return KvAccount(total=total, free=pool.get_num_free_blocks(), used=len(used),
-                         pinned=len(pinned))
+        return kv_account(self.sched, self.sched.mars_cosched.pins if self.is_mars else None)
 
     def pinned_blocks(self) -> int:
         return self.sched.mars_cosched.pins.pinned_blocks if self.is_mars else 0

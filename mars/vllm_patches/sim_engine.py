@@ -43,16 +43,7 @@ class CallbackPublisher:
     (same ``publish`` / ``close`` interface as :class:`mars.stream.publisher.EventPublisher`)."""
 
     def __init__(self, sink: Callable[[dict[str, Any]], None]) -> None:
-        self._sink = sink
-        self.published = 0
-        self.dropped = 0
-
-    def publish(self, event: dict[str, Any]) -> None:
-        self.published += 1
-        self._sink(event)
-
-    def _drain(self) -> None:
-        pass
+        self.publish = sink
 
     def close(self) -> None:
         pass
@@ -161,17 +152,12 @@ class SimEngine:
 
     def kv_balanced(self) -> tuple[bool, dict[str, int]]:
         """Conservation: every block is free, held by a request, or pinned; none leaked."""
-        sched = self.scheduler
-        pool = sched.kv_cache_manager.block_pool
-        total = pool.num_gpu_blocks - 1
-        used: set[int] = set()
-        for mgr in sched.kv_cache_manager.coordinator.single_type_managers:
-            for blocks in mgr.req_to_blocks.values():
-                used.update(b.block_id for b in blocks if not b.is_null)
-        pinned = sched.mars_cosched.pins.block_ids() - used
-        acc = {"total": total, "free": pool.get_num_free_blocks(), "used": len(used),
-               "pinned": len(pinned)}
-        return acc["free"] + acc["used"] + acc["pinned"] == total, acc
+        from dataclasses import asdict
+
+        from mars.vllm_patches.offline import kv_account
+
+        acc = kv_account(self.scheduler, self.scheduler.mars_cosched.pins)
+        return acc.balanced, asdict(acc)
 
     def close(self) -> None:
         try:

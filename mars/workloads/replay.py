@@ -217,7 +217,7 @@ class ReplaySession:
                 r.ideal_s = ideal[r.task_id]
         result = RunResult(
             label=label or mode, mode=mode,
-            trace=_trace_info(trace),
+            trace=trace_info(trace),
             server={"url": self.url, "model": self.server.model, "root": self.server.root,
                     "max_model_len": self.server.max_model_len, "sidecar": self.server.sidecar,
                     "cache_config": dict(self.server.cache_config),
@@ -446,7 +446,8 @@ def job_id(task_id: str, mode: str) -> str:
     return task_id if mode == "load" else f"{task_id}@ideal"
 
 
-def _trace_info(trace: Trace) -> dict[str, Any]:
+def trace_info(trace: Trace) -> dict[str, Any]:
+    """The ``trace`` block of ``results.json`` (also the simulator's)."""
     from .ideal import trace_digest
 
     h = trace.header
