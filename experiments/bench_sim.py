@@ -24,7 +24,7 @@ from mars.vllm_patches.sim_engine import SimEngine
 
 def measure(n: int, args) -> tuple[float, float]:
     clock = VirtualClock(0.0)
-    eng = SimEngine(args.gpu, args.model, args.policy, clock=clock, sink=lambda ev: None,
+    eng = SimEngine(f"{args.gpu}:{args.model}", args.policy, clock=clock, sink=lambda ev: None,
                     extra_args=("--max-num-seqs", str(max(n, 256))))
     try:
         need = n * (args.prompt + args.steps * 2)

@@ -12,6 +12,15 @@ not compared here.
     .venv/bin/python experiments/sim_fidelity.py --points ILR-1:6:0.1,ILR-3:12:0.2 \\
         --policies fcfs,mars
 
+With ``--profile FILE`` (a device profile of this machine from ``mars emulate calibrate``) the
+reference is the *real* engine instead: ``mars-vllm serve --policy P`` on the embedded model,
+real CPU compute, against ``mars sim run --profile FILE``; ``--time-scale`` shortens tools and
+arrivals so that the small model's engine, not the tools, sets the latencies:
+
+    .venv/bin/mars emulate calibrate --out runs/cpu-profile.json
+    .venv/bin/python experiments/sim_fidelity.py --profile runs/cpu-profile.json \
+        --points ILR-1:6:0.02,ILR-3:8:0.2 --time-scale 10 --policies fcfs,mars
+
 Runs in real time (minutes per point and policy). Do not run it beside the tests.
 """
 
@@ -43,8 +52,9 @@ def _ks(a: list[float], b: list[float]) -> float:
 
 
 def _paced(args, policy: str, trace_path: Path, out: Path) -> Path:
-    srv = ServerProcess(args=["--emulate", f"{args.gpu}:{args.model}", "--policy", policy,
-                              "--tool-cores", str(args.tool_cores)], startup_timeout_s=600)
+    target = [] if args.profile else ["--emulate", f"{args.gpu}:{args.model}"]
+    srv = ServerProcess(args=[*target, "--policy", policy, "--tool-cores", str(args.tool_cores)],
+                        startup_timeout_s=600)
     with srv:
         r = subprocess.run([sys.executable, "-m", "mars.cli", "replay", "--trace", str(trace_path),
                             "--url", srv.url, "--virtual-tool-cores", str(args.tool_cores),
@@ -57,8 +67,10 @@ def _paced(args, policy: str, trace_path: Path, out: Path) -> Path:
 
 
 def _sim(args, policy: str, trace_path: Path, out: Path) -> Path:
+    target = ["--profile", args.profile] if args.profile else ["--gpu", args.gpu,
+                                                                "--model", args.model]
     r = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace_path),
-                        "--gpu", args.gpu, "--model", args.model, "--policies", policy,
+                        *target, "--policies", policy,
                         "--tool-cores", str(args.tool_cores), "--ideal", "skip", "--no-plots",
                         "--no-progress", "--out", str(out)], capture_output=True, text=True)
     if r.returncode != 0:
@@ -84,6 +96,11 @@ def main() -> None:
     ap.add_argument("--policies", default="fcfs,mars")
     ap.add_argument("--tool-cores", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="reference = the real engine on this machine; sim = this device "
+                         "profile (mars emulate calibrate)")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="divide tool durations and arrival times by this (default 1)")
     ap.add_argument("--out", default="runs/sim-fidelity")
     args = ap.parse_args()
     out = Path(args.out)
@@ -91,8 +108,10 @@ def main() -> None:
     rows = []
     for spec in args.points.split(","):
         regime, n, rate = spec.split(":")
-        trace = generate(regime, num_tasks=int(n), rate=float(rate), seed=args.seed)
-        tdir = out / f"{regime}-{n}-{rate}"
+        trace = generate(regime, num_tasks=int(n), rate=float(rate), seed=args.seed,
+                         time_scale=args.time_scale)
+        ts = f"-ts{args.time_scale:g}" if args.time_scale != 1 else ""
+        tdir = out / f"{regime}-{n}-{rate}{ts}"
         tdir.mkdir(parents=True, exist_ok=True)
         write_trace(trace, tdir / "trace.jsonl")
         for policy in args.policies.split(","):
@@ -105,8 +124,13 @@ def main() -> None:
             rows.append((spec, policy, p, s, t1 - t0, t2 - t1))
             print(f"{spec} {policy}: paced mean {p['mean']:.1f} s ({t1 - t0:.0f} s), "
                   f"sim {s['mean']:.1f} s ({t2 - t1:.0f} s)", file=sys.stderr, flush=True)
-    print(f"\nEMULATED GPU {args.gpu} x {args.model}, {args.tool_cores} virtual tool cores; "
-          "paced = served stack in real time, sim = mars sim (virtual time)\n")
+    if args.profile:
+        print(f"\nreal = the real engine on this machine (embedded model, served stack, real "
+              f"time); sim = mars sim on the device profile {args.profile}; "
+              f"{args.tool_cores} virtual tool cores, time scale {args.time_scale:g}\n")
+    else:
+        print(f"\nEMULATED GPU {args.gpu} x {args.model}, {args.tool_cores} virtual tool cores; "
+              "paced = served stack in real time, sim = mars sim (virtual time)\n")
     print("| point | policy | mean paced / sim (s) | err | P90 paced / sim (s) | err | "
           "P95 paced / sim (s) | err | TTFT P50 paced / sim (s) | TTFT P90 paced / sim (s) | "
           "TTFT KS | wall paced / sim (s) |")

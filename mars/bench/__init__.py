@@ -65,10 +65,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.sim:
         from mars.emulate.specs import GPUS, MODELS
 
+        from mars.emulate.profile import DeviceProfile, is_profile_path
+
         gpu, _, model = args.sim.partition(":")
-        if gpu not in GPUS or model not in MODELS:
+        if is_profile_path(args.sim):
+            try:
+                DeviceProfile.load(args.sim)
+            except ValueError as e:
+                raise BenchError(f"--sim: {e}") from None
+            args.sim = str(Path(args.sim).resolve())
+        elif gpu not in GPUS or model not in MODELS:
             raise BenchError(f"--sim takes GPU:MODEL with GPU in {', '.join(GPUS)} and MODEL in "
-                             f"{', '.join(MODELS)} (got {args.sim!r})")
+                             f"{', '.join(MODELS)}, or a device profile file (got {args.sim!r})")
         for flag in ("engine_cores", "tool_cores"):
             if getattr(args, flag):
                 raise BenchError(f"--{flag.replace('_', '-')} pins real processes; --sim runs "
@@ -175,12 +183,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="skip each replay's own plots (the comparison plots are still drawn)")
     p.add_argument("--progress-interval", type=_positive_float, default=30.0, metavar="S",
                    help="seconds between progress lines (default 30)")
-    p.add_argument("--sim", metavar="GPU:MODEL",
+    p.add_argument("--sim", metavar="GPU:MODEL|PROFILE",
                    help="simulate every point in virtual time (mars sim, docs/sim.md) on this "
                         "EMULATED GPU and model instead of serving it: no server; points run "
                         "in parallel with --jobs and stay comparable; --server-args go to the "
                         "simulated engine; --tool-workers sets its virtual tool cores "
-                        "(default 8), e.g. --sim h100-nvl:qwen3-coder-30b-a3b")
+                        "(default 8), e.g. --sim h100-nvl:qwen3-coder-30b-a3b; or a device "
+                        "profile from `mars emulate calibrate`")
     p.add_argument("--out", metavar="DIR", help="output directory (default runs/bench-<regimes>-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the bench in --out: reuse its finished points")

@@ -744,10 +744,14 @@ class Bench:
 
     def _sim_cmd(self, p: Point, ideal: str) -> list[str]:
         cfg = self.cfg
+        from mars.emulate.profile import is_profile_path
+
         gpu, _, model = (cfg.sim or "").partition(":")
+        target = ["--profile", cfg.sim] if is_profile_path(cfg.sim or "") else \
+            ["--gpu", gpu, "--model", model]
         cmd = [sys.executable, "-m", "mars.cli", "sim", "run",
                "--trace", str(self.traces[(p.regime, rate_key(p.rate))]),
-               "--gpu", gpu, "--model", model, "--policies", p.policy, "--flat",
+               *target, "--policies", p.policy, "--flat",
                "--out", p.dir, "--seed", str(cfg.seed), "--ideal", ideal,
                "--tool-cores", str(cfg.sim_tool_cores), "--no-progress",
                "--slacks", ",".join(f"{s:g}" for s in cfg.slacks)]

@@ -4,6 +4,7 @@
     mars emulate step --gpu h100 --model qwen3-coder-30b-a3b --decode 64 --context 8000
     mars emulate step --gpu h200 --model gpt-oss-120b --prefill 8192 --context 32000
     mars emulate compare                      # predictions vs published measurements
+    mars emulate calibrate --out runs/cpu-profile.json   # fit the model to this machine's engine
 
 Every number printed is an emulated GPU's (docs/emulation.md says where each coefficient
 comes from and how far the model is from published measurements).
@@ -66,6 +67,132 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+    import sys
+    import time
+    from pathlib import Path
+
+    from mars.emulate.fit import fit_coefficients, relative_errors
+    from mars.emulate.profile import DeviceProfile, EngineSettings
+    from mars.emulate.specs import GpuSpec, model_from_hf_config
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from mars.vllm_patches.calibration import (CalibrationGrid, MeasuredEngine, host_facts,
+                                               measure_peaks, memory_gib, run_grid)
+
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise SystemExit("mars emulate calibrate: --out must name a .json file")
+    try:
+        extra = shlex.split(args.engine_args or "")
+    except ValueError as exc:
+        raise SystemExit(f"mars emulate calibrate: --engine-args: {exc}") from None
+    grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
+    t0 = time.monotonic()
+    print("mars emulate calibrate: starting the real engine on this machine (mars-vllm serve "
+          f"{' '.join(extra) or '(defaults)'})", file=sys.stderr, flush=True)
+    engine = MeasuredEngine(extra)
+    try:
+        settings = EngineSettings(**engine.settings())
+        cfg = engine.model_config()
+        peaks = measure_peaks(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+
+        def progress(i: int, n: int) -> None:
+            print(f"\r  measuring: {i}/{n} workloads", end="", file=sys.stderr, flush=True)
+
+        steps = run_grid(engine, grid, progress)
+        print(file=sys.stderr)
+        served = engine.served_model_name
+    finally:
+        engine.close()
+    name = args.name or f"{served}@cpu"
+    model = model_from_hf_config(name, cfg)
+    gpu = GpuSpec(args.device_name, bf16_tflops=round(peaks["tflops"], 4),
+                  fp8_tflops=round(peaks["tflops"], 4), hbm_tb_s=round(peaks["tb_s"], 5),
+                  memory_gib=round(memory_gib(), 1))
+    from mars.emulate.step_time import StepTimeModel
+
+    samples = steps
+    fit = fit_coefficients(model, gpu, samples)
+    gpu = fit.gpu
+    errs = relative_errors(model, gpu, fit.coefficients, samples)
+    stm = StepTimeModel(model, gpu, fit.coefficients)
+    points = []
+    for s, e in zip(samples, errs):
+        w = stm.work(s.batch)
+        points.append([s.kind, w.tokens, w.requests, w.full_pairs, w.full_kv,
+                       round(s.seconds, 7), round(s.seconds * (1 + e), 7)])
+    fit_info = {**fit.as_dict(), "grid": "quick" if args.quick else "default",
+                "point_fields": ["kind", "tokens", "requests", "attention_pairs", "kv_tokens",
+                                 "measured_s", "predicted_s"], "points": points}
+    prof = DeviceProfile(name=name, gpu=gpu, model_config=cfg, coefficients=fit.coefficients,
+                         engine=settings, fit=fit_info,
+                         host={**host_facts(), "peaks": peaks, "engine_args": extra},
+                         served_model_name=served)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.write(out)
+    e = fit.errors
+    print(f"Device profile {out} ({len(samples)} measured steps, "
+          f"{time.monotonic() - t0:.0f} s)\n")
+    print(f"device  {gpu.name}: {peaks['tflops'] * 1e3:.1f} GFLOP/s matmul, "
+          f"{peaks['tb_s'] * 1e3:.1f} GB/s copy measured ({peaks['torch_threads']} torch "
+          f"thread(s)); peaks in the profile {gpu.bf16_tflops * 1e3:.1f} GFLOP/s, "
+          f"{gpu.hbm_tb_s * 1e3:.1f} GB/s")
+    print(f"model   {model.name}: {model.num_layers} layers, hidden {model.hidden}, "
+          f"{model.num_heads}/{model.num_kv_heads} heads x {model.head_dim}")
+    print(f"engine  block {settings.block_size}, {settings.max_num_batched_tokens} tokens/step, "
+          f"{settings.max_num_seqs} seqs, KV pool {settings.kv_cache_bytes / 2**30:.2f} GiB\n")
+    print("| fitted coefficient | value |\n|---|---:|")
+    for k in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+        print(f"| {k} | {getattr(fit.coefficients, k):.4g} |")
+    for k in ("step_overhead_s", "request_overhead_s"):
+        print(f"| {k} | {getattr(fit.coefficients, k) * 1e6:.1f} us |")
+    for k in ("attention_parallelism", "attention_query_tile", "attention_occupancy_exponent"):
+        print(f"| {k} | {getattr(fit.coefficients, k):.4g} |")
+    print("\n| steps | n | mean abs error |\n|---|---:|---:|")
+    for kind in ("prefill", "decode", "mixed"):
+        n = sum(1 for s in samples if s.kind == kind)
+        if n:
+            print(f"| {kind} | {n} | {e[f'mean_{kind}'] * 100:.1f} % |")
+    print(f"| all | {len(samples)} | {e['mean'] * 100:.1f} % (median {e['median'] * 100:.1f} %,"
+          f" P90 {e['p90'] * 100:.1f} %, max {e['max'] * 100:.1f} %) |")
+    if not args.no_plot:
+        try:
+            _plot_fit(points, out.with_suffix(".png"), name)
+            print(f"\nplot: {out.with_suffix('.png')}")
+        except ImportError as exc:
+            print(f"mars emulate calibrate: plot skipped: {exc}", file=sys.stderr)
+    return 0
+
+
+def _plot_fit(points: list, path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for kind, marker in (("prefill", "o"), ("decode", "."), ("mixed", "x")):
+        xs = [p[5] * 1e3 for p in points if p[0] == kind]
+        ys = [p[6] * 1e3 for p in points if p[0] == kind]
+        if xs:
+            ax.scatter(xs, ys, marker=marker, label=kind, alpha=0.7)
+    lo = min(min(p[5], p[6]) for p in points) * 1e3
+    hi = max(max(p[5], p[6]) for p in points) * 1e3
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("step-time model (ms)")
+    ax.set_title(f"{name}: fitted step-time model vs the real engine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def register(sub) -> None:
     p = sub.add_parser("emulate", help="the emulated GPU's step-time model",
                        description=__doc__.split("\n\n")[0])
@@ -87,3 +214,22 @@ def register(sub) -> None:
     step.set_defaults(func=_cmd_step)
     cmp_ = esub.add_parser("compare", help="predictions vs published measurements")
     cmp_.set_defaults(func=_cmd_compare)
+    cal = esub.add_parser(
+        "calibrate", help="fit the step-time model to the real engine on this machine",
+        description="Measure the real engine of `mars-vllm serve` (the embedded model unless "
+                    "--engine-args names another) on this machine over a grid of batches "
+                    "(prefill chunks, decode batches at several contexts, mixed steps), fit "
+                    "the step-time model's coefficients to the measured steps, and write a "
+                    "device profile: `mars-vllm serve --emulate FILE` and `mars sim run "
+                    "--profile FILE` then emulate this machine (docs/emulation.md). "
+                    "Run it on an otherwise idle machine: a minute or two.")
+    cal.add_argument("--out", required=True, metavar="FILE.json", help="profile to write")
+    cal.add_argument("--engine-args", default="", metavar="ARGS",
+                     help="more `mars-vllm serve` arguments for the measured engine, one string")
+    cal.add_argument("--name", default=None, help="profile name (default: SERVED_NAME@cpu)")
+    cal.add_argument("--device-name", default="cpu", help="device name (default: cpu)")
+    cal.add_argument("--quick", action="store_true",
+                     help="a small grid (seconds; a rough fit, for a first look and tests)")
+    cal.add_argument("--no-plot", action="store_true",
+                     help="no plot of measured vs predicted step times")
+    cal.set_defaults(func=_cmd_calibrate)

@@ -15,6 +15,13 @@ traffic at a derated bandwidth -- plus fixed overheads::
     logits         max(2 R V h / (F e_gemm),               V h b_w / (B e_mem))
     overheads      step + layers * per_layer + R * per_request
 
+Attention is divided by its occupancy ``min(1, Q / P) ** g`` when ``P > 0``: the kernel runs
+at its full rate only when the batch gives it at least ``P`` query tiles of ``q`` tokens
+(``Q = sum ceil(n_i / q)``); a lone decode, or a short chunk over a long context, leaves the
+device's parallel units idle. Off (``P = 0``) in the shipped GPU profiles, where split-KV
+decoding keeps small batches memory-bound; fitted by ``mars emulate calibrate``, where the
+measured engine shows it (docs/emulation.md).
+
 with ``T`` the step's tokens, ``R`` its requests, ``F`` / ``B`` the GPU's dense BF16 peak and HBM
 bandwidth. What each coefficient is and where its value comes from: docs/emulation.md (every
 default cites a spec sheet, a published measurement or another simulator's published fitted
@@ -55,6 +62,11 @@ class StepCoefficients:
     step_overhead_s: float = 126e-6
     layer_overhead_s: float = 32.1e-6
     request_overhead_s: float = 4.42e-6
+    #: attention occupancy: query tiles the device needs to run attention at full rate
+    #: (0: always full), the tile (tokens), and how time grows below it (exponent)
+    attention_parallelism: float = 0.0
+    attention_query_tile: int = 16
+    attention_occupancy_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         effs = (self.gemm_efficiency, self.moe_efficiency, self.attention_efficiency,
@@ -63,6 +75,25 @@ class StepCoefficients:
             raise ValueError("efficiency factors must lie in (0, 1]")
         if min(self.step_overhead_s, self.layer_overhead_s, self.request_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
+        if self.attention_parallelism < 0 or self.attention_query_tile < 1 \
+                or not 0 <= self.attention_occupancy_exponent <= 4:
+            raise ValueError("attention occupancy: parallelism >= 0, query tile >= 1, "
+                             "exponent in [0, 4]")
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """One step's batch as the model sees it: tokens, requests, and the (query, key) pairs
+    and KV tokens read by full-attention and sliding-window layers."""
+
+    tokens: int
+    requests: int
+    full_pairs: float
+    full_kv: float
+    slide_pairs: float = 0.0
+    slide_kv: float = 0.0
+    #: query tiles (sum of ceil(new / tile)): the attention kernel's parallel work
+    query_tiles: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +138,24 @@ class StepTimeModel:
         return self.breakdown(batch).total
 
     def breakdown(self, batch) -> StepBreakdown:
-        m, c = self.model, self.coef
-        T = R = 0
+        return self.time_of(self.work(batch))
+
+    def work(self, batch) -> "StepWork":
+        """The batch reduced to what its time depends on (a calibration fit evaluates
+        many coefficient sets on the same batches)."""
+        m = self.model
+        T = R = Q = 0
         full_pairs = full_kv = 0.0
         slide_pairs = slide_kv = 0.0
         W = self._window
+        q = self.coef.attention_query_tile
         for e in batch:
             n, ctx = (e.new, e.context) if isinstance(e, BatchEntry) else e
             if n <= 0:
                 continue
             T += n
             R += 1
+            Q += -(-n // q)
             full_pairs += n * (ctx + (n + 1) / 2)
             full_kv += ctx + n
             if m.sliding_layers:
@@ -125,6 +163,11 @@ class StepTimeModel:
                 sc = min(ctx, W)
                 slide_pairs += n * min(sc + (n + 1) / 2, W)
                 slide_kv += min(ctx + n, W + n)
+        return StepWork(T, R, full_pairs, full_kv, slide_pairs, slide_kv, Q)
+
+    def time_of(self, w: "StepWork") -> StepBreakdown:
+        m, c = self.model, self.coef
+        T, R = w.tokens, w.requests
         if T == 0:
             return StepBreakdown(0.0, 0.0, 0.0, 0.0, 0.0)
         L, bw = m.num_layers, self._bw
@@ -138,11 +181,14 @@ class StepTimeModel:
             mlp += L * max(2 * T * k * m.expert_params / self._f_moe,
                            touched * self._expert_w / bw)
         af = self._attn_flop
-        attn = m.full_layers * max(af * full_pairs / self._f_attn,
-                                   full_kv * self._kv_layer / bw)
+        attn = m.full_layers * max(af * w.full_pairs / self._f_attn,
+                                   w.full_kv * self._kv_layer / bw)
         if m.sliding_layers:
-            attn += m.sliding_layers * max(af * slide_pairs / self._f_attn,
-                                           slide_kv * self._kv_layer / bw)
+            attn += m.sliding_layers * max(af * w.slide_pairs / self._f_attn,
+                                           w.slide_kv * self._kv_layer / bw)
+        P = c.attention_parallelism
+        if P > 0 and w.query_tiles < P:
+            attn /= (max(w.query_tiles, 1) / P) ** c.attention_occupancy_exponent
         logits = max(2 * R * m.vocab * m.hidden / self._f_gemm, self._logits_w / bw)
         overhead = self._fixed + R * c.request_overhead_s
         return StepBreakdown(proj, mlp, attn, logits, overhead)

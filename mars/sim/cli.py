@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import shlex
 import sys
@@ -49,6 +48,20 @@ def _policies(text: str) -> list[str]:
 def _gpu_model(args: argparse.Namespace) -> None:
     from mars.emulate.specs import GPUS, MODELS
 
+    if args.profile:
+        import hashlib
+
+        from mars.emulate.profile import DeviceProfile
+
+        try:
+            prof = DeviceProfile.load(args.profile)
+        except ValueError as e:
+            raise SystemExit(f"mars sim: --profile: {e}") from None
+        args.profile = os.path.abspath(args.profile)
+        args.gpu, args.model = prof.gpu.name, prof.name
+        args.profile_sha256 = hashlib.sha256(Path(args.profile).read_bytes()).hexdigest()
+        return
+    args.profile_sha256 = None
     if args.gpu not in GPUS:
         raise SystemExit(f"mars sim: unknown GPU {args.gpu!r}; known: {', '.join(GPUS)}")
     if args.model not in MODELS:
@@ -61,7 +74,8 @@ def point_config(args: argparse.Namespace, policy: str):
     return SimConfig(gpu=args.gpu, model=args.model, policy=policy,
                      tool_cores=args.tool_cores, seed=args.seed, slacks=tuple(args.slacks),
                      engine_args=tuple(shlex.split(args.engine_args)) if args.engine_args else (),
-                     progress=not args.no_progress and args.jobs == 1)
+                     progress=not args.no_progress and args.jobs == 1,
+                     profile=args.profile)
 
 
 def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
@@ -71,6 +85,7 @@ def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
 
     return {"trace_sha256": trace_digest(dumps_trace(trace)), "simulated": True,
             "gpu": args.gpu, "model": args.model, "policy": IDEAL_POLICY,
+            **({"profile_sha256": args.profile_sha256} if args.profile else {}),
             "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
             "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed}
 
@@ -163,7 +178,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     write_trace(trace, out / "trace.jsonl")
     _quiet_vllm()
     t0 = time.monotonic()
-    print(f"mars sim: SIMULATED (virtual time) on the EMULATED GPU {args.gpu} x {args.model}: "
+    what = (f"device profile {Path(args.profile).name} ({args.gpu} x {args.model})"
+            if args.profile else f"GPU {args.gpu} x {args.model}")
+    print(f"mars sim: SIMULATED (virtual time) on the EMULATED {what}: "
           f"{trace.header.regime}, {len(trace)} tasks, {sum(t.num_rounds for t in trace)} rounds, "
           f"{args.tool_cores} virtual tool cores; policies {', '.join(args.policies)}",
           file=sys.stderr, flush=True)
@@ -237,6 +254,9 @@ def register(sub) -> None:
     r.add_argument("--gpu", default=DEFAULT_GPU, help=f"emulated GPU (default {DEFAULT_GPU})")
     r.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"emulated model (default {DEFAULT_MODEL})")
+    r.add_argument("--profile", metavar="FILE",
+                   help="emulate a device profile from `mars emulate calibrate` (a measured "
+                        "device and model, with its engine settings) instead of --gpu/--model")
     r.add_argument("--policies", type=_policies, default=["fcfs", "mars"], metavar="LIST",
                    help="comma-separated policies, or all (default fcfs,mars)")
     add_trace_arguments(r)

@@ -62,6 +62,21 @@ class SimConfig:
     #: more ``mars-vllm serve`` arguments (e.g. ``--max-num-seqs 256``)
     engine_args: tuple[str, ...] = ()
     progress: bool = True
+    #: a device profile file (``mars emulate calibrate``): emulate it instead of the shipped
+    #: GPU x model (``gpu`` and ``model`` then only label the results)
+    profile: str | None = None
+
+    @property
+    def emulate(self) -> str:
+        """What ``mars-vllm serve --emulate`` is given."""
+        return self.profile or f"{self.gpu}:{self.model}"
+
+    @property
+    def target(self) -> str:
+        """What is emulated, for labels."""
+        if self.profile:
+            return f"device profile {Path(self.profile).name} ({self.gpu} x {self.model})"
+        return f"GPU {self.gpu} x {self.model}"
 
 
 @dataclass(eq=False)
@@ -94,7 +109,7 @@ class Simulation:
         self.events_recorded = 0
         self.control: SimControl | None = None
         self._early: list[dict[str, Any]] = []  # engine events before the control exists
-        self.engine = SimEngine(cfg.gpu, cfg.model, cfg.policy, clock=self.clock,
+        self.engine = SimEngine(cfg.emulate, cfg.policy, clock=self.clock,
                                 sink=self._engine_event, extra_args=cfg.engine_args)
         self._events_file = open(events_path, "w", encoding="utf-8") if events_path else None
         self.control = SimControl(
@@ -181,7 +196,8 @@ class Simulation:
                                      "num_gpu_blocks": eng.num_blocks,
                                      "enable_prefix_caching": True},
                     "system_fingerprint": None,
-                    "emulated": {"gpu": cfg.gpu, "model": cfg.model, "simulated": True}},
+                    "emulated": {"gpu": cfg.gpu, "model": cfg.model, "simulated": True,
+                                 "profile": cfg.profile}},
             config={"token_range": list(cfg.token_range), "seed": cfg.seed, "salt": salt,
                     "tool_cores": [], "tool_workers": cfg.tool_cores, "tool_burn": "virtual",
                     "policy": cfg.policy, "engine_args": list(cfg.engine_args),
@@ -194,9 +210,8 @@ class Simulation:
                             float(eng.counters()["preempted"] - preempt0)},
         )
         result.cached_tokens_source = "usage"
-        result.notes.append(f"SIMULATED in virtual time: vLLM's engine on the EMULATED GPU "
-                            f"{cfg.gpu} x {cfg.model} (step-time model); times are virtual "
-                            "seconds")
+        result.notes.append(f"SIMULATED in virtual time: vLLM's engine on the EMULATED "
+                            f"{cfg.target} (step-time model); times are virtual seconds")
         return result.finalize(cfg.slacks)
 
     def _loop(self) -> None:

@@ -25,13 +25,14 @@ with the target's served name and context limit, and never loads its weights.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from mars.emulate.batch import NATURAL_TOKENS, EmulatedOutput, RequestTable, Scheduled
 from mars.emulate.pacing import StepPacer, WallPacer, set_active
+from mars.emulate.profile import DeviceProfile
 from mars.emulate.specs import (ACTIVATION_RESERVE_GIB, GpuSpec, ModelSpec, get_gpu, get_model,
                                 kv_budget_bytes)
 from mars.emulate.step_time import StepCoefficients, StepTimeModel
@@ -52,22 +53,44 @@ class EmulationConfig:
     coefficients: dict[str, float] = field(default_factory=dict)
     reserve_gib: float = ACTIVATION_RESERVE_GIB
     natural_tokens: int = NATURAL_TOKENS
+    #: a calibrated device profile (:mod:`mars.emulate.profile`, as a dict): its device,
+    #: model, coefficients and KV pool replace the shipped GPU x model
+    profile: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EmulationConfig":
         return cls(gpu=d["gpu"], model=d["model"], coefficients=dict(d.get("coefficients") or {}),
                    reserve_gib=float(d.get("reserve_gib", ACTIVATION_RESERVE_GIB)),
-                   natural_tokens=int(d.get("natural_tokens", NATURAL_TOKENS)))
+                   natural_tokens=int(d.get("natural_tokens", NATURAL_TOKENS)),
+                   profile=d.get("profile"))
 
     def as_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "model": self.model, "coefficients": self.coefficients,
-                "reserve_gib": self.reserve_gib, "natural_tokens": self.natural_tokens}
+                "reserve_gib": self.reserve_gib, "natural_tokens": self.natural_tokens,
+                "profile": self.profile}
+
+    def device_profile(self) -> DeviceProfile | None:
+        return DeviceProfile.from_dict(self.profile) if self.profile is not None else None
 
     def specs(self, kv_cache_dtype: str = "auto") -> tuple[ModelSpec, GpuSpec]:
-        model = get_model(self.model)
+        prof = self.device_profile()
+        model = prof.model if prof else get_model(self.model)
         if kv_cache_dtype.startswith("fp8"):
             model = model.with_kv_bytes(1)
-        return model, get_gpu(self.gpu)
+        return model, prof.gpu if prof else get_gpu(self.gpu)
+
+    def step_coefficients(self) -> StepCoefficients:
+        """The profile's fitted coefficients (or the defaults), with any overrides applied."""
+        prof = self.device_profile()
+        return replace(prof.coefficients if prof else StepCoefficients(), **self.coefficients)
+
+    def kv_cache_bytes(self, model: ModelSpec, gpu: GpuSpec, utilization: float) -> int:
+        """The KV pool: the profile's measured pool, or what the card leaves
+        (:func:`~mars.emulate.specs.kv_budget_bytes`)."""
+        prof = self.device_profile()
+        if prof is not None:
+            return prof.engine.kv_cache_bytes
+        return kv_budget_bytes(model, gpu, utilization, self.reserve_gib)
 
 
 def _tokenizer_size(model_config) -> int:
@@ -95,8 +118,7 @@ class EmulatedWorker:
         self.config = EmulationConfig.from_dict(raw)
         cache = vllm_config.cache_config
         self.model, self.gpu = self.config.specs(str(cache.cache_dtype))
-        self.step_model = StepTimeModel(self.model, self.gpu,
-                                        StepCoefficients(**self.config.coefficients))
+        self.step_model = StepTimeModel(self.model, self.gpu, self.config.step_coefficients())
         self.table = RequestTable(EmulatedOutput(
             token_hi=_tokenizer_size(vllm_config.model_config),
             natural_tokens=self.config.natural_tokens))
@@ -133,9 +155,8 @@ class EmulatedWorker:
         record_kv_cache_layout(self.vllm_config.cache_config, layout_name)
 
     def determine_available_memory(self) -> int:
-        return kv_budget_bytes(self.model, self.gpu,
-                               self.vllm_config.cache_config.gpu_memory_utilization,
-                               self.config.reserve_gib)
+        return self.config.kv_cache_bytes(
+            self.model, self.gpu, self.vllm_config.cache_config.gpu_memory_utilization)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         cfg = kv_cache_config[0] if isinstance(kv_cache_config, list) else kv_cache_config

@@ -74,14 +74,17 @@ def add_mars_args(parser: argparse.ArgumentParser) -> None:
                         "the sidecar included")
     g.add_argument("--mars-open-metrics", action="store_true",
                    help="serve the sidecar's /metrics without a key even with --api-key")
-    g.add_argument("--emulate", default=None, metavar="GPU:MODEL",
+    g.add_argument("--emulate", default=None, metavar="GPU:MODEL|PROFILE",
                    help="serve on an EMULATED GPU: vLLM's real scheduler and KV cache manager "
                         "with the model's real KV layout and the card's KV capacity, each step "
                         "taking the step-time model's time (docs/emulation.md); no weights are "
                         "loaded and the text is noise from the embedded tokenizer. GPU: "
                         "h100, h100-nvl, h200, h200-nvl; MODEL: qwen3-coder-30b-a3b, "
                         "gpt-oss-120b. Served name and context limit are the model's "
-                        "(--max-model-len defaults to what the KV pool holds, if less)")
+                        "(--max-model-len defaults to what the KV pool holds, if less). "
+                        "Or a device profile file from `mars emulate calibrate`: the "
+                        "measured device and model, with the engine settings it was "
+                        "measured with")
     g.add_argument("--emulate-config", type=json.loads, default=None, metavar="JSON",
                    help='emulation overrides, e.g. \'{"coefficients": {"moe_efficiency": 0.2},'
                         ' "reserve_gib": 2, "natural_tokens": 256}\' (docs/emulation.md)')
@@ -194,28 +197,34 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     template) with the emulated executor, the target's served name and context limit, and
     the defaults vLLM would pick on the real card. Mutates ``args``; returns what the
     executor reads from ``additional_config``."""
-    from mars.emulate.specs import kv_budget_bytes
-    from mars.emulate.step_time import StepCoefficients
+    from mars.emulate.profile import DeviceProfile, is_profile_path
     from mars.model.tiny import default_model_dir, write_tiny_model
     from mars.vllm_patches.emulated_executor import QUALNAME, EmulationConfig
 
     if getattr(args, "model_tag", None) is not None or given(argv, "--model"):
         raise SystemExit("mars-vllm: --emulate serves the named model's shapes with the "
                          "embedded tokenizer; do not name a model as well")
-    gpu, sep, model = str(args.emulate).partition(":")
+    spec = str(args.emulate)
+    gpu, sep, model = spec.partition(":")
     extra = args.emulate_config or {}
     if not isinstance(extra, dict):
         raise SystemExit("mars-vllm: --emulate-config must be a JSON object")
     unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens"}
     if unknown:
         raise SystemExit(f"mars-vllm: --emulate-config: unknown keys {sorted(unknown)}")
+    profile = None
     try:
-        if not sep:
-            raise ValueError("--emulate takes GPU:MODEL, e.g. h100-nvl:qwen3-coder-30b-a3b")
-        cfg = EmulationConfig.from_dict({"gpu": gpu, "model": model, **extra})
-        StepCoefficients(**cfg.coefficients)
+        if is_profile_path(spec):
+            profile = DeviceProfile.load(spec)
+            gpu, model = profile.gpu.name, profile.name
+        elif not sep:
+            raise ValueError("--emulate takes GPU:MODEL, e.g. h100-nvl:qwen3-coder-30b-a3b, "
+                             "or a device profile file (.json)")
+        cfg = EmulationConfig.from_dict({"gpu": gpu, "model": model, **extra,
+                                         "profile": profile.as_dict() if profile else None})
+        cfg.step_coefficients()
         m, g = cfg.specs(str(getattr(args, "kv_cache_dtype", "auto") or "auto"))
-        budget = kv_budget_bytes(m, g, args.gpu_memory_utilization, cfg.reserve_gib)
+        budget = cfg.kv_cache_bytes(m, g, args.gpu_memory_utilization)
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"mars-vllm: --emulate: {exc}") from None
     if given(argv, "--kv-cache-memory-bytes"):
@@ -224,8 +233,11 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     path = write_tiny_model(default_model_dir())
     args.model_tag = args.model = str(path)
     if not given(argv, "--served-model-name"):
-        args.served_model_name = [m.hf_id or m.name]
-    if not given(argv, "--max-model-len"):
+        args.served_model_name = [(profile.served_model_name if profile else "")
+                                  or m.hf_id or m.name]
+    if profile is not None and not given(argv, "--max-model-len"):
+        args.max_model_len = profile.engine.max_model_len
+    elif not given(argv, "--max-model-len"):
         # the model's limit, or what the pool holds when that is less (vLLM refuses a
         # --max-model-len whose KV does not fit; a real deployment lowers it the same way)
         args.max_model_len = min(m.max_model_len, m.max_sequence_tokens(budget))
@@ -234,14 +246,18 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
                          "max_position_embeddings": max(args.max_model_len, m.max_model_len)}
     args.distributed_executor_backend = QUALNAME
     args.enforce_eager = True
+    # the settings vLLM picks on the real card, or those the profile was measured with
+    eng = profile.engine if profile else None
     if not given(argv, "--block-size"):
-        args.block_size = GPU_BLOCK_SIZE
+        args.block_size = eng.block_size if eng else GPU_BLOCK_SIZE
     if not given(argv, "--max-num-batched-tokens"):
-        args.max_num_batched_tokens = GPU_MAX_NUM_BATCHED_TOKENS
+        args.max_num_batched_tokens = eng.max_num_batched_tokens if eng \
+            else GPU_MAX_NUM_BATCHED_TOKENS
     if not given(argv, "--max-num-seqs"):
-        args.max_num_seqs = GPU_MAX_NUM_SEQS
-    print(f"mars: EMULATED GPU {g.name} x {m.name} (step-time model, no weights; "
-          f"docs/emulation.md)", file=sys.stderr, flush=True)
+        args.max_num_seqs = eng.max_num_seqs if eng else GPU_MAX_NUM_SEQS
+    what = f"device profile {spec} ({g.name} x {m.name})" if profile else f"GPU {g.name} x {m.name}"
+    print(f"mars: EMULATED {what} (step-time model, no weights; docs/emulation.md)",
+          file=sys.stderr, flush=True)
     return cfg.as_dict()
 
 

@@ -49,15 +49,16 @@ class CallbackPublisher:
         pass
 
 
-def engine_args_for(gpu: str, model: str, policy: str, extra: Sequence[str] = ()):
-    """The ``argparse`` namespace ``mars-vllm serve --emulate GPU:MODEL --policy P EXTRA``
-    builds (mars defaults applied), with no events socket or file."""
-    from mars.vllm_patches.serve import apply_mars_defaults, build_parser
+def engine_args_for(emulate: str | None, policy: str, extra: Sequence[str] = ()):
+    """The ``argparse`` namespace ``mars-vllm serve [--emulate TARGET] --policy P EXTRA``
+    builds (mars defaults applied), with no events socket or file. ``emulate``: ``GPU:MODEL``
+    or a device profile file; None: the real engine on this machine."""
+    from mars.vllm_patches.serve import _is_cpu_platform, apply_mars_defaults, build_parser
 
-    argv = ["serve", "--emulate", f"{gpu}:{model}", "--policy", policy, *extra]
+    argv = ["serve", *(["--emulate", emulate] if emulate else []), "--policy", policy, *extra]
     parser, _ = build_parser()
     args = parser.parse_args(argv)
-    apply_mars_defaults(args, argv[1:], True)
+    apply_mars_defaults(args, argv[1:], _is_cpu_platform())
     args.additional_config["mars"]["events_endpoint"] = None
     args.additional_config["mars"]["events_file"] = None
     return args
@@ -66,11 +67,12 @@ def engine_args_for(gpu: str, model: str, policy: str, extra: Sequence[str] = ()
 class SimEngine:
     """One ``EngineCore`` on the emulated GPU, stepped by the simulator.
 
+    ``emulate``: ``GPU:MODEL`` or a device profile file (``mars-vllm serve --emulate``);
     ``clock``: the virtual clock (``now()`` and ``advance(dt)``), shared with the scheduler;
     ``sink``: receives every scheduler event as it is published.
     """
 
-    def __init__(self, gpu: str, model: str, policy: str, *, clock, sink: Callable[[dict], None],
+    def __init__(self, emulate: str, policy: str, *, clock, sink: Callable[[dict], None],
                  extra_args: Sequence[str] = ()) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm.engine.arg_utils import EngineArgs
@@ -82,7 +84,7 @@ class SimEngine:
         from mars.vllm_patches.emulated_executor import EmulatedExecutor
 
         self._SP, self._ECR = SamplingParams, EngineCoreRequest
-        args = engine_args_for(gpu, model, policy, extra_args)
+        args = engine_args_for(emulate, policy, extra_args)
         self.vllm_config = EngineArgs.from_cli_args(args).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER)
         self.core = EngineCore(self.vllm_config, EmulatedExecutor, log_stats=False)

@@ -1,0 +1,276 @@
+"""Measuring the real engine on this machine, step by step, for ``mars emulate calibrate``.
+
+The engine is the one ``mars-vllm serve`` runs (built from the same arguments, embedded model,
+this machine's executor with its model worker in its own process, as served), as vLLM's own
+``EngineCore`` in this process. Each ``step()`` is timed
+whole -- scheduling, the model, output processing -- because on this synchronous engine that is
+the step's cadence; the scheduler's output for the step gives the batch it ran (for each
+request, the tokens computed and the context they attend to). The grid of batches is made
+with prompts alone: unique prompts of growing length (prefill chunks over growing context), a
+shared cached prefix with many short tails (decodes of N requests at a context), and a
+prefill added while such a batch decodes (mixed steps).
+
+The device's peaks (``torch`` matmul rate in the model's dtype, tensor copy bandwidth) are
+measured in the same process after the engine has set its threads, so the fitted efficiencies
+are relative to what this process can reach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mars.emulate.fit import Measured
+
+#: prompt ids stay clear of the embedded tokenizer's special tokens and below its vocab
+_TOKEN_LO = 16
+
+
+@dataclass(frozen=True)
+class CalibrationGrid:
+    """The batches measured. Every step run is a sample, including the prefills that set up
+    a decode batch."""
+
+    #: unique prompts, each prefilled alone (chunks of the token budget over growing context)
+    prefill_prompts: tuple[int, ...] = (128, 512, 2048, 8192, 24576, 49152)
+    #: decode batches: N requests over a shared cached prefix of C tokens
+    decode_batches: tuple[int, ...] = (1, 4, 16, 64, 128)
+    decode_contexts: tuple[int, ...] = (256, 4096, 16384, 49152)
+    decode_steps: int = 6
+    #: a prefill of P new tokens (over the same prefix) joining each decode batch
+    mixed_prefills: tuple[int, ...] = (256, 1536)
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "CalibrationGrid":
+        """A small grid (seconds): for tests and a first look."""
+        return cls(prefill_prompts=(256, 4096), decode_batches=(1, 16), decode_contexts=(256, 4096),
+                   decode_steps=3, mixed_prefills=(512,))
+
+
+class MeasuredEngine:
+    """vLLM's ``EngineCore`` with this machine's executor, built as ``mars-vllm serve
+    --policy fcfs EXTRA`` builds it, in this process."""
+
+    def __init__(self, extra_args: Sequence[str] = ()) -> None:
+        # The executor is the served one: on CPU vLLM runs the model in a worker process
+        # whose OpenMP threads are bound to the cores it does not reserve for the scheduler
+        # process. An in-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0) computes on
+        # every core instead and measured steps up to 2x faster than `mars-vllm serve` runs
+        # them, which is what a profile must predict. Callers need a __main__ guard (the
+        # worker is spawned).
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            raise ValueError("calibration measures the engine as served: unset "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.sampling_params import SamplingParams
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor.abstract import Executor
+
+        from mars.vllm_patches.sim_engine import engine_args_for
+
+        self._SP, self._ECR = SamplingParams, EngineCoreRequest
+        args = engine_args_for(None, "fcfs", extra_args)
+        if getattr(args, "emulate", None):
+            raise ValueError("calibration measures the real engine: no --emulate")
+        self.served_model_name = (args.served_model_name or [args.model])[0]
+        cfg = EngineArgs.from_cli_args(args).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER)
+        self.vllm_config = cfg
+        self.core = EngineCore(cfg, Executor.get_class(cfg), log_stats=False)
+        # step() must be one schedule-execute-update (no batch queue pipelining steps)
+        assert self.core.batch_queue is None and self.core.step_fn == self.core.step
+        self.scheduler = sched = self.core.scheduler
+        self._last = None
+        schedule = sched.schedule
+
+        def recording_schedule(*a, **k):
+            self._last = out = schedule(*a, **k)
+            return out
+
+        sched.schedule = recording_schedule  # instance attribute: the class is untouched
+        self._n = 0
+        self.vocab = self._vocab_size()
+
+    def _vocab_size(self) -> int:
+        from mars.vllm_patches.emulated_executor import _tokenizer_size
+
+        mc = self.vllm_config.model_config
+        return min(_tokenizer_size(mc), mc.get_vocab_size())
+
+    # ------------------------------------------------------------------ facts
+    def model_config(self) -> dict[str, Any]:
+        """The served model's config.json."""
+        path = Path(str(self.vllm_config.model_config.model)) / "config.json"
+        return json.loads(path.read_text())
+
+    def settings(self) -> dict[str, int]:
+        c, s, m = (self.vllm_config.cache_config, self.vllm_config.scheduler_config,
+                   self.vllm_config.model_config)
+        kv = c.kv_cache_memory_bytes
+        if not kv:
+            raise ValueError("the engine's KV pool is not set in bytes (--kv-cache-memory-bytes);"
+                             " calibration records the pool it measured with")
+        return {"block_size": int(c.block_size),
+                "max_num_batched_tokens": int(s.max_num_batched_tokens),
+                "max_num_seqs": int(s.max_num_seqs), "max_model_len": int(m.max_model_len),
+                "kv_cache_bytes": int(kv)}
+
+    # ------------------------------------------------------------------ driving
+    def add(self, prompt: list[int], max_tokens: int) -> None:
+        self._n += 1
+        sp = self._SP(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                      detokenize=False)
+        req = self._ECR(request_id=f"cal-{self._n}", prompt_token_ids=list(prompt),
+                        mm_features=None, sampling_params=sp, pooling_params=None,
+                        arrival_time=time.time(), lora_request=None, cache_salt=None,
+                        data_parallel_rank=None)
+        self.core.add_request(*self.core.preprocess_add_request(req))
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> Measured | None:
+        """One engine step, timed; None when it computed nothing."""
+        t0 = time.perf_counter()
+        self.core.step()
+        dt = time.perf_counter() - t0
+        so, self._last = self._last, None
+        if so is None or not so.total_num_scheduled_tokens:
+            return None
+        n = so.num_scheduled_tokens
+        batch = [(n[r.req_id], r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        c = so.scheduled_cached_reqs
+        batch += [(n[rid], c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids)]
+        return Measured(tuple(batch), dt)
+
+    def drain(self) -> list[Measured]:
+        got = []
+        while self.busy:
+            s = self.step()
+            if s is not None:
+                got.append(s)
+        return got
+
+    def close(self) -> None:
+        self.core.shutdown()
+
+
+def measure_peaks(dtype_name: str = "bfloat16", matmul_n: int = 1024,
+                  copy_mib: int = 256) -> dict[str, float]:
+    """This process's dense matmul rate (TFLOP/s, in the model's dtype) and copy bandwidth
+    (TB/s): the 'peaks' the fitted efficiencies are relative to (best of a few repeats)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name, torch.bfloat16)
+    a = torch.randn(matmul_n, matmul_n).to(dtype)
+    b = torch.randn(matmul_n, matmul_n).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    tflops = 2 * matmul_n ** 3 / best / 1e12
+    n = copy_mib * 2**20 // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    tb_s = 2 * n * 4 / best / 1e12  # read + write
+    return {"tflops": tflops, "tb_s": tb_s, "torch_threads": torch.get_num_threads()}
+
+
+def host_facts() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "hostname": platform.node(),
+            "python": platform.python_version(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 1.0
+
+
+def run_grid(engine: MeasuredEngine, grid: CalibrationGrid,
+             progress: Callable[[int, int], None] | None = None) -> list[Measured]:
+    """Every step of the grid's workloads, after a discarded warm-up."""
+    rng = random.Random(grid.seed)
+    hi = engine.vocab
+
+    def tokens(k: int) -> list[int]:
+        return [rng.randrange(_TOKEN_LO, hi) for _ in range(k)]
+
+    # warm-up: first calls of each shape pay one-off costs (allocations, kernel selection)
+    for L in (64, 2048):
+        engine.add(tokens(L), 8)
+    engine.drain()
+    for B in (1, 16):
+        pre = tokens(512)
+        for _ in range(B):
+            engine.add(pre + tokens(32), 4)
+        engine.drain()
+
+    jobs: list[Callable[[], list[Measured]]] = []
+    for L in grid.prefill_prompts:
+        def prefill(L=L):
+            engine.add(tokens(L), 1)
+            return engine.drain()
+        jobs.append(prefill)
+    bs = engine.settings()["block_size"]
+    for C in grid.decode_contexts:
+        C = max(bs, C // bs * bs)  # whole blocks: the prefix is cached and shared
+        prefix: list[int] = []
+
+        def cache_prefix(C=C):
+            prefix[:] = tokens(C)
+            engine.add(prefix, 1)
+            return engine.drain()
+        jobs.append(cache_prefix)
+        for B in grid.decode_batches:
+            def decode(B=B):
+                for _ in range(B):
+                    engine.add(prefix + tokens(bs), grid.decode_steps + 1)
+                return engine.drain()
+            jobs.append(decode)
+            for P in grid.mixed_prefills:
+                def mixed(B=B, P=P):
+                    for _ in range(B):
+                        engine.add(prefix + tokens(bs), grid.decode_steps + 2)
+                    got = []
+                    while engine.busy and not any(s.kind == "decode" for s in got):
+                        s = engine.step()
+                        if s is not None:
+                            got.append(s)
+                    engine.add(prefix + tokens(P), 1)  # joins the decoding batch
+                    return got + engine.drain()
+                jobs.append(mixed)
+    steps: list[Measured] = []
+    for i, job in enumerate(jobs):
+        steps += job()
+        if progress:
+            progress(i + 1, len(jobs))
+    return steps

@@ -1,0 +1,135 @@
+"""``mars emulate calibrate`` on the real CPU engine, and the simulator on its profile against
+that engine (the second fidelity comparison of docs/sim.md, small form)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    """A quick calibration of this machine's served engine (the embedded model)."""
+    out = tmp_path_factory.mktemp("cal") / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "emulate", "calibrate", "--quick",
+                        "--no-plot", "--out", str(out)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Device profile" in r.stdout and "mean abs error" in r.stdout
+    return out
+
+
+def test_calibrate_writes_the_served_engine_profile(profile):
+    from mars.emulate.profile import DeviceProfile
+    from mars.vllm_patches.serve import CPU_DEFAULT_BLOCK_SIZE, CPU_DEFAULT_KV_BYTES
+
+    p = DeviceProfile.load(profile)
+    # measured with what `mars-vllm serve` runs on CPU, and says so
+    assert p.engine.block_size == CPU_DEFAULT_BLOCK_SIZE
+    assert p.engine.kv_cache_bytes == CPU_DEFAULT_KV_BYTES
+    assert p.engine.max_model_len == 65536 and p.served_model_name == "mars-tiny"
+    assert (p.model.num_layers, p.model.hidden, p.model.num_kv_heads) == (2, 128, 2)
+    fit = p.fit
+    assert fit["samples"] == len(fit["points"]) >= 20
+    errs = fit["abs_relative_error"]
+    assert all(math.isfinite(v) and v >= 0 for v in errs.values())
+    # every sample is a real step: positive times, the model's own prediction beside it
+    assert all(pt[5] > 0 and pt[6] > 0 for pt in fit["points"])
+    assert {pt[0] for pt in fit["points"]} == {"prefill", "decode", "mixed"}
+    json.dumps(p.as_dict())
+
+
+def test_the_emulated_engine_on_a_profile_has_the_real_engines_pool(profile):
+    """``--emulate PROFILE`` schedules with the measured engine's settings: same block size,
+    token budget, context limit and KV pool as the real engine it stands in for."""
+    from mars.sim.clock import VirtualClock
+    from mars.vllm_patches.sim_engine import SimEngine
+
+    eng = SimEngine(str(profile), "fcfs", clock=VirtualClock(), sink=lambda ev: None)
+    try:
+        cfg = eng.vllm_config
+        assert eng.block_size == 32 and eng.max_model_len == 65536
+        assert cfg.scheduler_config.max_num_batched_tokens == 2048
+        assert cfg.scheduler_config.max_num_seqs == 128
+        # 1 GiB of bf16 KV for 2 layers x 2 KV heads x 32 = 512 B per token: 2,097,152 tokens,
+        # what the real engine's log reports for the same pool
+        assert eng.num_blocks * eng.block_size == 2_097_152
+        assert eng.served_model == "mars-tiny"
+    finally:
+        eng.close()
+
+
+def test_bad_profiles_are_refused_by_serve_and_sim(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "ILR-1", "--num-tasks",
+                        "1", "--profile", str(bad), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not a device profile" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mars.vllm_patches.serve", "serve", "--emulate",
+                        str(tmp_path / "missing.json")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "cannot read device profile" in r.stderr, r.stderr[-2000:]
+
+
+def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
+    """Fidelity, small form (the full table: docs/sim.md): the same trace through the real
+    served engine on this machine (``mars-vllm serve`` on the embedded model, real compute,
+    real HTTP and sidecar) and through ``mars sim --profile`` agrees on mean task latency
+    within 15 %. Tools are 10x shorter so the engine's share of the latency is not small."""
+    from mars.launch import ServerProcess
+    from mars.workloads.generator import generate
+    from mars.workloads.results import read_results
+    from mars.workloads.trace import write_trace
+
+    # contexts within the embedded model's 64K, so every task runs on both sides
+    trace = generate("ILR-1", num_tasks=3, rate=0.2, seed=0, time_scale=10,
+                     context_limit=60_000)
+    write_trace(trace, tmp_path / "trace.jsonl")
+    with ServerProcess(args=["--policy", "fcfs", "--tool-cores", "8"],
+                       startup_timeout_s=600) as srv:
+        r = subprocess.run([sys.executable, "-m", "mars.cli", "replay", "--trace",
+                            str(tmp_path / "trace.jsonl"), "--url", srv.url,
+                            "--virtual-tool-cores", "8", "--ideal", "skip", "--no-plots",
+                            "--no-progress", "--out", str(tmp_path / "real")],
+                           capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "--trace",
+                        str(tmp_path / "trace.jsonl"), "--profile", str(profile), "--policies",
+                        "fcfs", "--tool-cores", "8", "--ideal", "skip", "--no-plots",
+                        "--no-progress", "--out", str(tmp_path / "sim")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    real = read_results(tmp_path / "real")
+    sim = read_results(tmp_path / "sim" / "fcfs")
+    # the engine's share: the rounds' time, not only the tools'
+    llm = sum(x.end_s - x.submit_s for t in real.tasks for x in t.rounds)
+    assert llm > 0.2 * sum(t.latency_s for t in real.tasks)
+    assert sim.summary["latency_s"]["mean"] == pytest.approx(
+        real.summary["latency_s"]["mean"], rel=0.15), (real.summary, sim.summary)
+
+
+def test_bench_simulates_a_grid_on_the_profile(profile, tmp_path):
+    """``mars bench --sim PROFILE``: the grid in virtual time on the measured device."""
+    from mars.workloads.results import read_results
+
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim", str(profile),
+                        "--policies", "fcfs", "--rates", "0.2", "--num-tasks", "2",
+                        "--time-scale", "10", "--context-limit", "60000", "--ideal", "skip",
+                        "--no-run-plots", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = [read_results(p) for p in out.rglob("results.json")]
+    assert len(res) == 1 and res[0].server["emulated"]["profile"] == str(profile.resolve())
+    assert res[0].summary["tasks"]["completed"] == 2
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim",
+                        str(tmp_path / "nope.json"), "--out", str(tmp_path / "b2")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "cannot read device profile" in r.stderr
