@@ -52,7 +52,13 @@ def _ks(a: list[float], b: list[float]) -> float:
 
 
 def _paced(args, policy: str, trace_path: Path, out: Path) -> Path:
-    target = [] if args.profile else ["--emulate", f"{args.gpu}:{args.model}"]
+    if args.profile:
+        # the real engine, with the arguments the profile was measured with
+        from mars.emulate.profile import DeviceProfile
+
+        target = list(DeviceProfile.load(args.profile).host.get("engine_args") or [])
+    else:
+        target = ["--emulate", f"{args.gpu}:{args.model}"]
     srv = ServerProcess(args=[*target, "--policy", policy, "--tool-cores", str(args.tool_cores)],
                         startup_timeout_s=600)
     with srv:
@@ -105,6 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    ref = "real" if args.profile else "paced"
     rows = []
     for spec in args.points.split(","):
         regime, n, rate = spec.split(":")
@@ -122,7 +129,7 @@ def main() -> None:
             t2 = time.monotonic()
             p, s = _row(paced), _row(sim)
             rows.append((spec, policy, p, s, t1 - t0, t2 - t1))
-            print(f"{spec} {policy}: paced mean {p['mean']:.1f} s ({t1 - t0:.0f} s), "
+            print(f"{spec} {policy}: {ref} mean {p['mean']:.1f} s ({t1 - t0:.0f} s), "
                   f"sim {s['mean']:.1f} s ({t2 - t1:.0f} s)", file=sys.stderr, flush=True)
     if args.profile:
         print(f"\nreal = the real engine on this machine (embedded model, served stack, real "
@@ -131,9 +138,9 @@ def main() -> None:
     else:
         print(f"\nEMULATED GPU {args.gpu} x {args.model}, {args.tool_cores} virtual tool cores; "
               "paced = served stack in real time, sim = mars sim (virtual time)\n")
-    print("| point | policy | mean paced / sim (s) | err | P90 paced / sim (s) | err | "
-          "P95 paced / sim (s) | err | TTFT P50 paced / sim (s) | TTFT P90 paced / sim (s) | "
-          "TTFT KS | wall paced / sim (s) |")
+    print(f"| point | policy | mean {ref} / sim (s) | err | P90 {ref} / sim (s) | err | "
+          f"P95 {ref} / sim (s) | err | TTFT P50 {ref} / sim (s) | TTFT P90 {ref} / sim (s) | "
+          f"TTFT KS | wall {ref} / sim (s) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     for spec, policy, p, s, wp, ws in rows:

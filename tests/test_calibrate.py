@@ -51,18 +51,29 @@ def test_the_emulated_engine_on_a_profile_has_the_real_engines_pool(profile):
     from mars.sim.clock import VirtualClock
     from mars.vllm_patches.sim_engine import SimEngine
 
+    import os
+
+    from mars.emulate.profile import DeviceProfile
+
+    measured = DeviceProfile.load(profile)
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     eng = SimEngine(str(profile), "fcfs", clock=VirtualClock(), sink=lambda ev: None)
     try:
         cfg = eng.vllm_config
-        assert eng.block_size == 32 and eng.max_model_len == 65536
-        assert cfg.scheduler_config.max_num_batched_tokens == 2048
-        assert cfg.scheduler_config.max_num_seqs == 128
+        assert eng.block_size == measured.engine.block_size == 32
+        assert eng.max_model_len == measured.engine.max_model_len
+        assert cfg.scheduler_config.max_num_batched_tokens == \
+            measured.engine.max_num_batched_tokens
+        assert cfg.scheduler_config.max_num_seqs == measured.engine.max_num_seqs
         # 1 GiB of bf16 KV for 2 layers x 2 KV heads x 32 = 512 B per token: 2,097,152 tokens,
         # what the real engine's log reports for the same pool
         assert eng.num_blocks * eng.block_size == 2_097_152
-        assert eng.served_model == "mars-tiny"
+        # served under the profile's name, not as the real engine
+        assert eng.served_model == measured.name != measured.served_model_name
     finally:
         eng.close()
+    # building an in-process engine leaves no trace in the environment later servers inherit
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before
 
 
 def test_bad_profiles_are_refused_by_serve_and_sim(tmp_path):
@@ -133,3 +144,12 @@ def test_bench_simulates_a_grid_on_the_profile(profile, tmp_path):
                         str(tmp_path / "nope.json"), "--out", str(tmp_path / "b2")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "cannot read device profile" in r.stderr
+
+
+def test_flags_that_would_resize_the_measured_pool_are_refused(profile):
+    for flag in (["--gpu-memory-utilization", "0.5"], ["--kv-cache-dtype", "fp8"]):
+        r = subprocess.run([sys.executable, "-m", "mars.vllm_patches.serve", "serve",
+                            "--emulate", str(profile), *flag], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode != 0 and "does not apply to a device profile" in r.stderr, \
+            r.stderr[-2000:]

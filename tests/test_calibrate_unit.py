@@ -77,9 +77,36 @@ def test_an_engine_faster_than_the_measured_peaks_raises_the_peaks_not_the_rules
     stm = StepTimeModel(TINY, fast, truth)
     samples = [Measured(b, stm.step_time(b)) for b in _batches()]
     fit = fit_coefficients(TINY, DEVICE, samples)
-    assert 0 < fit.coefficients.memory_efficiency <= 1
-    assert fit.gpu.hbm_tb_s >= DEVICE.hbm_tb_s
+    # what the steps show is the effective bandwidth (0.2 TB/s x 1.0), 4x the measured peak
+    assert fit.gpu.hbm_tb_s * fit.coefficients.memory_efficiency == pytest.approx(0.2, rel=0.05)
+    assert fit.gpu.hbm_tb_s > 3 * DEVICE.hbm_tb_s
     assert fit.errors["max"] < 0.05
+
+
+def test_checked_coefficients_keep_every_product():
+    from mars.emulate.fit import _Unchecked
+
+    u = _Unchecked(StepCoefficients(), gemm_efficiency=3.0, attention_efficiency=1.5,
+                   moe_efficiency=0.5, memory_efficiency=2.0)
+    coef, dev = u.checked(DEVICE)
+    assert coef.gemm_efficiency == 1.0 and coef.memory_efficiency == 1.0
+    assert dev.bf16_tflops * coef.attention_efficiency == pytest.approx(DEVICE.bf16_tflops * 1.5)
+    assert dev.bf16_tflops * coef.moe_efficiency == pytest.approx(DEVICE.bf16_tflops * 0.5)
+    assert dev.fp8_tflops == pytest.approx(DEVICE.fp8_tflops * 3)
+    assert dev.hbm_tb_s == pytest.approx(DEVICE.hbm_tb_s * 2)
+    # under the peaks: nothing moves
+    coef, dev = _Unchecked(StepCoefficients()).checked(DEVICE)
+    assert coef == replace(StepCoefficients(), layer_overhead_s=StepCoefficients().layer_overhead_s)
+    assert dev == DEVICE
+
+
+@pytest.mark.parametrize("bad", [
+    {"step_overhead_s": float("nan")}, {"attention_parallelism": float("inf")},
+    {"attention_query_tile": 8.5}, {"gemm_efficiency": float("nan")},
+])
+def test_non_finite_coefficients_are_refused(bad):
+    with pytest.raises(ValueError):
+        StepCoefficients(**bad)
 
 
 def test_too_few_samples_is_an_error():

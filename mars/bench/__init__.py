@@ -47,9 +47,16 @@ __all__ = ["ABLATIONS", "BASELINES", "Bench", "BenchConfig", "BenchError", "comp
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Validate everything that can be checked before a server starts (raises BenchError)."""
+    preset = _apply_preset(args) if args.preset else None
+    if not args.regimes:
+        raise BenchError("name at least one REGIME (e.g. ILR-1), or a --preset")
     regimes = resolve_regimes(args.regimes)
     policies = resolve_policies(args.policies, args.ablation)
     rates = parse_rates(args.rates) if args.rates else list(DEFAULT_RATES)
+    if args.num_tasks is None:
+        from .presets import PRESET_TASKS
+
+        args.num_tasks = PRESET_TASKS if preset else 20
     try:
         server_args = shlex.split(args.server_args or "")
     except ValueError as e:
@@ -93,10 +100,45 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tool_workers=args.tool_workers,
         request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
         run_plots=not args.no_run_plots, progress_interval=args.progress_interval,
-        resume=args.resume, sim=args.sim)
+        resume=args.resume, sim=args.sim,
+        regime_rates={r: preset.rates(r) for r in regimes} if preset else {},
+        preset=preset.name if preset else None)
+
+
+def _apply_preset(args: argparse.Namespace):
+    """``--preset NAME``: its simulated set-up, regimes (or a subset named), per-regime rates
+    and every policy, unless --policies says otherwise."""
+    from .presets import get_preset
+
+    try:
+        preset = get_preset(args.preset)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    if args.rates:
+        raise BenchError("--preset sets each regime's rates; do not give --rates")
+    if args.sim and args.sim != preset.sim:
+        raise BenchError(f"--preset {preset.name} simulates {preset.sim}; do not give --sim")
+    args.sim = preset.sim
+    if args.regimes:
+        asked = resolve_regimes(args.regimes)
+        extra = [r for r in asked if r not in preset.regimes]
+        if extra:
+            raise BenchError(f"--preset {preset.name} covers {', '.join(preset.regimes)} "
+                             f"(not {', '.join(extra)})")
+        args.regimes = asked
+    else:
+        args.regimes = list(preset.regimes)
+    if args.policies is None and not args.ablation:
+        args.policies = "all"
+    return preset
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        from .presets import describe
+
+        print(describe())
+        return 0
     try:
         cfg = config_from_args(args)
         return Bench(cfg).run()
@@ -129,8 +171,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--num-tasks 8 --scale 20 --time-scale 10 "
             "--server-args='--max-model-len 4096 --kv-cache-memory-bytes 4194304'"),
     )
-    p.add_argument("regimes", nargs="+", metavar="REGIME",
-                   help="workload regimes (ILR-1..4, S-ILR-1..3; several or comma-separated)")
+    p.add_argument("regimes", nargs="*", metavar="REGIME",
+                   help="workload regimes (ILR-1..4, S-ILR-1..3; several or comma-separated; "
+                        "with --preset, a subset of its regimes)")
+    p.add_argument("--preset", metavar="NAME",
+                   help="one of the paper's set-ups, simulated: h100-qwen, h100-gptoss, "
+                        "h200-qwen (its --sim, regimes, each regime's rates as multiples of "
+                        "that regime's measured fcfs saturation rate, every policy, 100 tasks "
+                        "per point; --list-presets shows them; docs/bench.md)")
+    p.add_argument("--list-presets", action="store_true",
+                   help="print the presets and their rates, and exit")
     p.add_argument("--policies", metavar="LIST",
                    help=f"comma-separated policies, or 'all' (default: {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--ablation", action="store_true",
@@ -138,8 +188,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rates", metavar="LIST",
                    help="arrival rates in tasks/s of nominal time (before --time-scale), "
                         f"comma-separated (default: {','.join(map(str, DEFAULT_RATES))})")
-    p.add_argument("--num-tasks", type=_positive_int, default=20, metavar="N",
-                   help="tasks per point (default: %(default)s)")
+    p.add_argument("--num-tasks", type=_positive_int, default=None, metavar="N",
+                   help="tasks per point (default: 20; 100 with --preset)")
     p.add_argument("--seed", type=int, default=0, help="trace and content seed (default: 0)")
     p.add_argument("--scale", type=_positive_float, default=1.0, metavar="F",
                    help="divide token counts by F (tiny models; default 1)")

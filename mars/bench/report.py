@@ -77,6 +77,13 @@ def rate_key(r: float | str) -> str:
     return f"{float(r):g}"
 
 
+def regime_rates(cfg: Mapping[str, Any], regime: str) -> list[str]:
+    """The rate keys of ``regime``: its own list (a preset's per-regime rates) or the
+    bench's."""
+    own = (cfg.get("regime_rates") or {}).get(regime)
+    return [rate_key(r) for r in (own if own else cfg.get("rates") or [])]
+
+
 def point_index(points: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str, str], Mapping]:
     """``(regime, rate key, policy) -> point`` (the last one wins on duplicates)."""
     return {(p["regime"], rate_key(p["rate"]), p["policy"]): p for p in points}
@@ -121,7 +128,6 @@ def compare(doc: Mapping[str, Any]) -> dict[str, Any]:
     """
     cfg = doc.get("config") or {}
     regimes = list(cfg.get("regimes") or [])
-    rates = [rate_key(r) for r in cfg.get("rates") or []]
     policies = list(cfg.get("policies") or [])
     slacks = [slack_key(s) for s in cfg.get("slacks") or (2, 3, 5)]
     idx = point_index(doc.get("points") or [])
@@ -132,7 +138,7 @@ def compare(doc: Mapping[str, Any]) -> dict[str, Any]:
     wins = {m: {"better": 0, "points": 0} for m in metrics}
     if MARS in policies and baselines:
         for reg in regimes:
-            for rate in rates:
+            for rate in regime_rates(cfg, reg):
                 mp = idx.get((reg, rate, MARS))
                 row: dict[str, Any] = {"regime": reg, "rate": float(rate),
                                        "mars_complete": complete(mp), "metrics": {}}
@@ -160,7 +166,7 @@ def compare(doc: Mapping[str, Any]) -> dict[str, Any]:
     variants = [v for v in ABLATIONS if v in policies]
     if MARS in policies and variants:
         for reg in regimes:
-            for rate in rates:
+            for rate in regime_rates(cfg, reg):
                 mp = idx.get((reg, rate, MARS))
                 row = {"regime": reg, "rate": float(rate), "mars_complete": complete(mp),
                        "metrics": {}}
@@ -221,7 +227,7 @@ def latency_table(doc: Mapping[str, Any], regime: str) -> str:
     policies = _ordered_policies(cfg.get("policies") or [])
     idx = point_index(doc.get("points") or [])
     rows = []
-    for rate in [rate_key(r) for r in cfg.get("rates") or []]:
+    for rate in regime_rates(cfg, regime):
         pts = {p: idx.get((regime, rate, p)) for p in policies}
         best = {}  # bold: the best complete run among the baselines and mars (not ablations)
         for m in ["mean", "p90", "p95"] + [f"goodput@{s}" for s in slacks]:
@@ -374,8 +380,8 @@ def _plt() -> Any:
 def _series(doc: Mapping[str, Any], regime: str, policy: str, name: str) -> tuple[list, list]:
     idx = point_index(doc.get("points") or [])
     xs, ys = [], []
-    for r in (doc.get("config") or {}).get("rates") or []:
-        v = metric(idx.get((regime, rate_key(r), policy)), name)
+    for r in regime_rates(doc.get("config") or {}, regime):
+        v = metric(idx.get((regime, r, policy)), name)
         if math.isfinite(v):
             xs.append(float(r))
             ys.append(v)
@@ -452,7 +458,7 @@ def plot_ablation(doc: Mapping[str, Any], regime: str, path: str | os.PathLike[s
     if MARS not in policies or len(policies) < 2:
         return None
     idx = point_index(doc.get("points") or [])
-    rates = [rate_key(r) for r in cfg.get("rates") or []]
+    rates = regime_rates(cfg, regime)
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(policies)

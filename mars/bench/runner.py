@@ -60,7 +60,7 @@ from typing import Any, TextIO
 from mars.workloads.goodput import DEFAULT_SLACKS
 from mars.launch import pinned_to
 
-from .report import BASELINES, MARS, compare, format_tables, rate_key, write_plots
+from .report import BASELINES, MARS, compare, format_tables, rate_key, regime_rates, write_plots
 
 BENCH_SCHEMA = "mars-bench"
 BENCH_VERSION = 1
@@ -106,8 +106,16 @@ class BenchConfig:
     run_plots: bool = True
     progress_interval: float = 30.0
     resume: bool = False
-    #: "GPU:MODEL": simulate every point in virtual time (``mars sim``) instead of serving it
+    #: "GPU:MODEL" or a device profile: simulate every point in virtual time (``mars sim``)
+    #: instead of serving it
     sim: str | None = None
+    #: rates of particular regimes (a preset's), instead of ``rates``
+    regime_rates: dict[str, list[float]] = field(default_factory=dict)
+    #: the preset this bench was made from (``--preset``), for the report
+    preset: str | None = None
+
+    def rates_for(self, regime: str) -> list[float]:
+        return list(self.regime_rates.get(regime) or self.rates)
 
     #: virtual tool cores of a simulated point when --tool-workers is not given
     SIM_TOOL_CORES = 8
@@ -123,10 +131,23 @@ class BenchConfig:
                 "context_limit": self.context_limit, "server_args": list(self.server_args),
                 "engine_cores": self.engine_cores, "tool_cores": self.tool_cores,
                 "pin": self.pin, "tool_burn": self.tool_burn, "tool_workers": self.tool_workers,
-                "sim": self.sim}
+                "sim": self.sim, "sim_profile_sha256": self._profile_digest(),
+                "regime_rates": self.regime_rates}
+
+    def _profile_digest(self) -> str | None:
+        """A device profile's content: re-calibrated at the same path, its points differ."""
+        from mars.emulate.profile import is_profile_path
+
+        if not self.sim or not is_profile_path(self.sim):
+            return None
+        try:
+            return hashlib.sha256(Path(self.sim).read_bytes()).hexdigest()
+        except OSError:
+            return None
 
     def to_json(self) -> dict[str, Any]:
         return {"regimes": self.regimes, "rates": self.rates, "policies": self.policies,
+                "regime_rates": self.regime_rates, "preset": self.preset,
                 **self.settings(), "jobs": self.jobs, "restart": self.restart,
                 "ideal": self.ideal, "slacks": list(self.slacks),
                 "request_timeout_s": self.request_timeout,
@@ -218,7 +239,7 @@ def build_traces(cfg: BenchConfig) -> dict[tuple[str, str], Any]:
 
     out = {}
     for reg in cfg.regimes:
-        for rate in cfg.rates:
+        for rate in cfg.rates_for(reg):
             try:
                 tr = generate(reg, num_tasks=cfg.num_tasks, rate=rate, seed=cfg.seed,
                               scale=cfg.scale, time_scale=cfg.time_scale,
@@ -447,7 +468,7 @@ class Bench:
         traces = build_traces(cfg)
         for reg in cfg.regimes:
             self.shared_ideal[reg] = _same_tasks(
-                [traces[(reg, rate_key(r))] for r in cfg.rates])
+                [traces[(reg, rate_key(r))] for r in cfg.rates_for(reg)])
         digests = {}
         for (reg, rk), tr in traces.items():
             p = cfg.out / "traces" / reg / f"rate-{rk}.jsonl"
@@ -468,7 +489,7 @@ class Bench:
 
         for pol in cfg.policies:
             for reg in cfg.regimes:
-                for rate in cfg.rates:
+                for rate in cfg.rates_for(reg):
                     d = cfg.out / "runs" / reg / pol / f"rate-{rate_key(rate)}"
                     pt = Point(reg, rate, pol, str(d))
                     if cfg.resume and (d / "results.json").exists():
@@ -494,7 +515,10 @@ class Bench:
         groups = self.groups(todo)
         n_servers = len(groups)
         self.groups_left = n_servers
-        self.say(f"mars bench: {', '.join(cfg.regimes)} x rates {', '.join(rate_key(r) for r in cfg.rates)}"
+        rates = "; ".join(f"{reg} at {', '.join(rate_key(r) for r in cfg.rates_for(reg))}"
+                          for reg in cfg.regimes) if cfg.regime_rates else \
+            f"{', '.join(cfg.regimes)} x rates {', '.join(rate_key(r) for r in cfg.rates)}"
+        self.say(f"mars bench{f' (preset {cfg.preset})' if cfg.preset else ''}: {rates}"
                  f" x policies {', '.join(cfg.policies)}: {len(self.points)} points "
                  f"({len(self.points) - len(todo)} reused), {n_servers} "
                  f"{'simulation(s)' if cfg.sim else 'server start(s)'}, "
@@ -943,10 +967,14 @@ class Bench:
             "mars " + " ".join(_shell_quote(a) for a in _cli_args(run["command"])),
             "```",
             "",
-            f"* regimes {', '.join(cfg['regimes'])}; rates {', '.join(rate_key(r) for r in cfg['rates'])}"
+            f"* regimes {', '.join(cfg['regimes'])}; rates "
+            + ("; ".join(f"{reg}: {', '.join(regime_rates(cfg, reg))}" for reg in cfg["regimes"])
+               if cfg.get("regime_rates") else ", ".join(rate_key(r) for r in cfg["rates"])) +
             f" tasks/s (nominal; time compressed ×{cfg['time_scale']:g}); {cfg['num_tasks']} tasks "
             f"per point, seed {cfg['seed']}, token counts / {cfg['scale']:g}"
             + (f", at most {cfg['max_rounds']} rounds per task" if cfg.get("max_rounds") else ""),
+            *([f"* preset `{cfg['preset']}` (docs/bench.md: how its rates were chosen)"]
+              if cfg.get("preset") else []),
             f"* server flags (every policy): `{' '.join(cfg['server_args']) or '(defaults)'}`"
             " + `--enable-prompt-tokens-details`",
             f"* engine cores {run.get('engine_cores')}, tool cores {run.get('tool_cores')}, "

@@ -13,8 +13,9 @@ comes from and how far the model is from published measurements).
 from __future__ import annotations
 
 import argparse
+import sys
 
-from mars.emulate.specs import GPUS, MODELS, get_gpu, get_model
+from mars.emulate.specs import GPUS, MODELS, GpuSpec, get_gpu, get_model
 from mars.emulate.step_time import StepTimeModel
 
 _LABEL = "(emulated GPU: step-time model, docs/emulation.md)"
@@ -68,19 +69,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import os
     import shlex
-    import sys
     import time
     from pathlib import Path
-
-    from mars.emulate.fit import fit_coefficients, relative_errors
-    from mars.emulate.profile import DeviceProfile, EngineSettings
-    from mars.emulate.specs import GpuSpec, model_from_hf_config
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from mars.vllm_patches.calibration import (CalibrationGrid, MeasuredEngine, host_facts,
-                                               measure_peaks, memory_gib, run_grid)
 
     out = Path(args.out)
     if out.suffix != ".json":
@@ -89,53 +80,92 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         extra = shlex.split(args.engine_args or "")
     except ValueError as exc:
         raise SystemExit(f"mars emulate calibrate: --engine-args: {exc}") from None
-    grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
+    if any(a.split("=")[0] == "--emulate" for a in extra):
+        raise SystemExit("mars emulate calibrate: measures the real engine; --emulate is not "
+                         "an engine argument here")
     t0 = time.monotonic()
+    try:
+        measured = _measure(extra, args.quick)
+        prof, fit = _fit_profile(measured, args)
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"mars emulate calibrate: {exc}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.write(out)
+    _print_calibration(prof, fit, measured, out, time.monotonic() - t0)
+    if not args.no_plot:
+        try:
+            _plot_fit(prof.fit["points"], out.with_suffix(".png"), prof.name)
+            print(f"\nplot: {out.with_suffix('.png')}")
+        except ImportError as exc:
+            print(f"mars emulate calibrate: plot skipped: {exc}", file=sys.stderr)
+    return 0
+
+
+def _measure(extra: list[str], quick: bool) -> dict:
+    """Run the real engine over the grid: its steps, settings, config and the peaks."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from mars.vllm_patches.calibration import (CalibrationGrid, MeasuredEngine, measure_peaks,
+                                               run_grid)
+
     print("mars emulate calibrate: starting the real engine on this machine (mars-vllm serve "
           f"{' '.join(extra) or '(defaults)'})", file=sys.stderr, flush=True)
     engine = MeasuredEngine(extra)
     try:
-        settings = EngineSettings(**engine.settings())
+        settings = engine.settings()
         cfg = engine.model_config()
         peaks = measure_peaks(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
 
         def progress(i: int, n: int) -> None:
             print(f"\r  measuring: {i}/{n} workloads", end="", file=sys.stderr, flush=True)
 
-        steps = run_grid(engine, grid, progress)
+        steps = run_grid(engine, CalibrationGrid.quick() if quick else CalibrationGrid(),
+                         progress)
         print(file=sys.stderr)
-        served = engine.served_model_name
+        return {"steps": steps, "settings": settings, "config": cfg, "peaks": peaks,
+                "served": engine.served_model_name, "extra": extra, "quick": quick}
     finally:
         engine.close()
-    name = args.name or f"{served}@cpu"
-    model = model_from_hf_config(name, cfg)
-    gpu = GpuSpec(args.device_name, bf16_tflops=round(peaks["tflops"], 4),
-                  fp8_tflops=round(peaks["tflops"], 4), hbm_tb_s=round(peaks["tb_s"], 5),
-                  memory_gib=round(memory_gib(), 1))
-    from mars.emulate.step_time import StepTimeModel
 
-    samples = steps
-    fit = fit_coefficients(model, gpu, samples)
-    gpu = fit.gpu
-    errs = relative_errors(model, gpu, fit.coefficients, samples)
-    stm = StepTimeModel(model, gpu, fit.coefficients)
+
+def _fit_profile(m: dict, args: argparse.Namespace):
+    """The fitted device profile of a measurement, with every step beside its prediction."""
+    from mars.emulate.fit import fit_coefficients, relative_errors
+    from mars.emulate.profile import DeviceProfile, EngineSettings
+    from mars.emulate.specs import model_from_hf_config
+    from mars.vllm_patches.calibration import host_facts, memory_gib
+
+    name = args.name or f"{m['served']}@{args.device_name}"
+    model = model_from_hf_config(name, m["config"])
+    peaks = m["peaks"]
+    measured_gpu = GpuSpec(args.device_name, bf16_tflops=round(peaks["tflops"], 4),
+                           fp8_tflops=round(peaks["tflops"], 4),
+                           hbm_tb_s=round(peaks["tb_s"], 5), memory_gib=round(memory_gib(), 1))
+    steps = m["steps"]
+    fit = fit_coefficients(model, measured_gpu, steps)
+    errs = relative_errors(model, fit.gpu, fit.coefficients, steps)
+    stm = StepTimeModel(model, fit.gpu, fit.coefficients)
     points = []
-    for s, e in zip(samples, errs):
+    for s, e in zip(steps, errs):
         w = stm.work(s.batch)
         points.append([s.kind, w.tokens, w.requests, w.full_pairs, w.full_kv,
                        round(s.seconds, 7), round(s.seconds * (1 + e), 7)])
-    fit_info = {**fit.as_dict(), "grid": "quick" if args.quick else "default",
+    fit_info = {**fit.as_dict(), "grid": "quick" if m["quick"] else "default",
                 "point_fields": ["kind", "tokens", "requests", "attention_pairs", "kv_tokens",
                                  "measured_s", "predicted_s"], "points": points}
-    prof = DeviceProfile(name=name, gpu=gpu, model_config=cfg, coefficients=fit.coefficients,
-                         engine=settings, fit=fit_info,
-                         host={**host_facts(), "peaks": peaks, "engine_args": extra},
-                         served_model_name=served)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prof.write(out)
+    prof = DeviceProfile(name=name, gpu=fit.gpu, model_config=m["config"],
+                         coefficients=fit.coefficients, engine=EngineSettings(**m["settings"]),
+                         fit=fit_info,
+                         host={**host_facts(), "peaks": peaks, "engine_args": m["extra"]},
+                         served_model_name=m["served"])
+    return prof, fit
+
+
+def _print_calibration(prof, fit, m: dict, out, seconds: float) -> None:
+    gpu, model, settings, peaks = prof.gpu, prof.model, prof.engine, m["peaks"]
     e = fit.errors
-    print(f"Device profile {out} ({len(samples)} measured steps, "
-          f"{time.monotonic() - t0:.0f} s)\n")
+    print(f"Device profile {out} ({fit.samples} measured steps, {seconds:.0f} s)\n")
     print(f"device  {gpu.name}: {peaks['tflops'] * 1e3:.1f} GFLOP/s matmul, "
           f"{peaks['tb_s'] * 1e3:.1f} GB/s copy measured ({peaks['torch_threads']} torch "
           f"thread(s)); peaks in the profile {gpu.bf16_tflops * 1e3:.1f} GFLOP/s, "
@@ -152,19 +182,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     for k in ("attention_parallelism", "attention_query_tile", "attention_occupancy_exponent"):
         print(f"| {k} | {getattr(fit.coefficients, k):.4g} |")
     print("\n| steps | n | mean abs error |\n|---|---:|---:|")
+    kinds = [s.kind for s in m["steps"]]
     for kind in ("prefill", "decode", "mixed"):
-        n = sum(1 for s in samples if s.kind == kind)
-        if n:
-            print(f"| {kind} | {n} | {e[f'mean_{kind}'] * 100:.1f} % |")
-    print(f"| all | {len(samples)} | {e['mean'] * 100:.1f} % (median {e['median'] * 100:.1f} %,"
+        if f"mean_{kind}" in e:
+            print(f"| {kind} | {kinds.count(kind)} | {e[f'mean_{kind}'] * 100:.1f} % |")
+    print(f"| all | {fit.samples} | {e['mean'] * 100:.1f} % (median {e['median'] * 100:.1f} %,"
           f" P90 {e['p90'] * 100:.1f} %, max {e['max'] * 100:.1f} %) |")
-    if not args.no_plot:
-        try:
-            _plot_fit(points, out.with_suffix(".png"), name)
-            print(f"\nplot: {out.with_suffix('.png')}")
-        except ImportError as exc:
-            print(f"mars emulate calibrate: plot skipped: {exc}", file=sys.stderr)
-    return 0
 
 
 def _plot_fit(points: list, path, name: str) -> None:

@@ -11,8 +11,8 @@ peaks, capped at 1), the per-step and per-request overheads, and the attention o
 (parallelism and exponent; the query tile is chosen from a few sizes by the same objective, as
 it changes the batches' work). The per-layer overhead is not
 separately identifiable on one model (it is ``layers x`` a constant, like the per-step one), so
-it is fixed at 0 and the step overhead carries it; the MoE efficiency is kept at its default
-when the model is dense (nothing measures it). The search is Nelder--Mead on the logarithms
+it is fixed at 0 and the step overhead carries it. The MoE efficiency is never fitted (kept
+at its default): the embedded model is dense, so nothing measured here prices experts. The search is Nelder--Mead on the logarithms
 (no SciPy dependency), restarted from a few deterministic starts; the result is deterministic
 for the same samples.
 """
@@ -56,6 +56,8 @@ class Measured:
 
 @dataclass(frozen=True)
 class FitResult:
+    """The fitted coefficients, the device they are relative to, and how well they fit."""
+
     coefficients: StepCoefficients
     #: the device the coefficients are relative to (the measured peaks, raised where the
     #: engine was seen to exceed them)
@@ -122,7 +124,8 @@ def summarize(errors: Sequence[float], kinds: Sequence[str] = ()) -> dict[str, f
 
 
 def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 1.0,
-                iters: int = 3000, tol: float = 1e-10) -> tuple[list[float], float]:
+                iters: int = 3000, tol: float = 1e-10,
+                atol: float = 1e-12) -> tuple[list[float], float]:
     """Minimize ``f`` from ``x0`` (standard coefficients: reflect 1, expand 2, contract 1/2,
     shrink 1/2). Returns the best point and its value."""
     n = len(x0)
@@ -131,7 +134,7 @@ def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: fl
     for _ in range(iters):
         order = sorted(range(n + 1), key=vals.__getitem__)
         pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if abs(vals[-1] - vals[0]) <= tol * (abs(vals[0]) + tol):
+        if abs(vals[-1] - vals[0]) <= tol * abs(vals[0]) + atol:
             break
         centroid = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
         worst = pts[-1]

@@ -6,7 +6,8 @@ coefficients. A *profile file* instead records one engine measured where it runs
 model's ``config.json`` fields (a :class:`ModelSpec`), the :class:`StepCoefficients` fitted to
 the measured steps, the engine settings the measurement ran with (the emulation must schedule
 with the same block size, token budget and KV pool to predict the same thing) and the fit's
-own error. ``mars-vllm serve --emulate FILE`` and ``mars sim run --emulate FILE`` run on it, so
+own error. ``mars-vllm serve --emulate FILE``, ``mars sim run --profile FILE`` and ``mars bench
+--sim FILE`` run on it, so
 the simulator's predictions can be checked against the real engine on this machine.
 
 Framework-free: reading, validating and writing JSON only.
@@ -46,6 +47,9 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """One measured device and model: what the emulated executor needs to stand in for it
+    (device, model shapes, coefficients, engine settings) and the evidence (fit, host)."""
+
     name: str
     gpu: GpuSpec
     #: the served model's config.json fields (the ones :func:`model_from_hf_config` reads)
@@ -69,6 +73,14 @@ class DeviceProfile:
                 "model_config": self.model_config, "coefficients": asdict(self.coefficients),
                 "engine": asdict(self.engine), "fit": self.fit, "host": self.host,
                 "served_model_name": self.served_model_name}
+
+    def essentials(self) -> dict[str, Any]:
+        """What the engine needs (no measured points, no host facts): vLLM logs and hashes
+        its additional_config, so the served engine gets this, not the whole file."""
+        d = self.as_dict()
+        d["fit"] = {k: v for k, v in self.fit.items() if k != "points"}
+        d["host"] = {}
+        return d
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")

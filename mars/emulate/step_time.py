@@ -73,8 +73,16 @@ class StepCoefficients:
                 self.memory_efficiency)
         if not all(0 < e <= 1 for e in effs):
             raise ValueError("efficiency factors must lie in (0, 1]")
+        if not all(math.isfinite(v) for v in (*effs, self.step_overhead_s, self.layer_overhead_s,
+                                               self.request_overhead_s,
+                                               self.attention_parallelism,
+                                               self.attention_occupancy_exponent)):
+            raise ValueError("coefficients must be finite numbers")
         if min(self.step_overhead_s, self.layer_overhead_s, self.request_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
+        if not isinstance(self.attention_query_tile, int) or \
+                isinstance(self.attention_query_tile, bool):
+            raise ValueError("attention_query_tile must be an integer")
         if self.attention_parallelism < 0 or self.attention_query_tile < 1 \
                 or not 0 <= self.attention_occupancy_exponent <= 4:
             raise ValueError("attention occupancy: parallelism >= 0, query tile >= 1, "

@@ -10,9 +10,10 @@ with prompts alone: unique prompts of growing length (prefill chunks over growin
 shared cached prefix with many short tails (decodes of N requests at a context), and a
 prefill added while such a batch decodes (mixed steps).
 
-The device's peaks (``torch`` matmul rate in the model's dtype, tensor copy bandwidth) are
-measured in the same process after the engine has set its threads, so the fitted efficiencies
-are relative to what this process can reach.
+The device's "peaks" (``torch`` matmul rate in the model's dtype, tensor copy bandwidth) are
+measured in the calibrating process, not in the model worker: they only set the scale the
+fitted efficiencies are relative to (the fit raises a peak the engine was seen to exceed), so
+the predictions do not depend on them.
 """
 
 from __future__ import annotations
@@ -66,9 +67,6 @@ class MeasuredEngine:
         # every core instead and measured steps up to 2x faster than `mars-vllm serve` runs
         # them, which is what a profile must predict. Callers need a __main__ guard (the
         # worker is spawned).
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            raise ValueError("calibration measures the engine as served: unset "
-                             "VLLM_ENABLE_V1_MULTIPROCESSING=0")
         from vllm.engine.arg_utils import EngineArgs
         from vllm.sampling_params import SamplingParams
         from vllm.usage.usage_lib import UsageContext
@@ -85,10 +83,19 @@ class MeasuredEngine:
         self.served_model_name = (args.served_model_name or [args.model])[0]
         cfg = EngineArgs.from_cli_args(args).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER)
+        backend = cfg.parallel_config.distributed_executor_backend
+        if backend != "mp" and str(cfg.device_config.device_type) == "cpu":
+            raise ValueError(
+                f"the engine would run the {backend!r} executor; `mars-vllm serve` on CPU runs "
+                "'mp' (unset VLLM_ENABLE_V1_MULTIPROCESSING=0 and any "
+                "--distributed-executor-backend)")
         self.vllm_config = cfg
         self.core = EngineCore(cfg, Executor.get_class(cfg), log_stats=False)
-        # step() must be one schedule-execute-update (no batch queue pipelining steps)
-        assert self.core.batch_queue is None and self.core.step_fn == self.core.step
+        if self.core.batch_queue is not None or self.core.step_fn != self.core.step:
+            # a batch queue pipelines steps: step() would not be one engine step to time
+            self.core.shutdown()
+            raise ValueError("calibration needs the synchronous engine loop (no async "
+                             "scheduling, no pipeline parallelism)")
         self.scheduler = sched = self.core.scheduler
         self._last = None
         schedule = sched.schedule
@@ -102,16 +109,23 @@ class MeasuredEngine:
         self.vocab = self._vocab_size()
 
     def _vocab_size(self) -> int:
-        from mars.vllm_patches.emulated_executor import _tokenizer_size
+        from mars.vllm_patches.emulated_executor import tokenizer_size
 
         mc = self.vllm_config.model_config
-        return min(_tokenizer_size(mc), mc.get_vocab_size())
+        return min(tokenizer_size(mc), mc.get_vocab_size())
 
     # ------------------------------------------------------------------ facts
     def model_config(self) -> dict[str, Any]:
         """The served model's config.json."""
         path = Path(str(self.vllm_config.model_config.model)) / "config.json"
         return json.loads(path.read_text())
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer (the pool holds kv_cache_bytes / this)."""
+        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
+        item = 1 if "fp8" in str(self.vllm_config.cache_config.cache_dtype) else \
+            mc.dtype.itemsize
+        return 2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * item
 
     def settings(self) -> dict[str, int]:
         c, s, m = (self.vllm_config.cache_config, self.vllm_config.scheduler_config,
@@ -154,12 +168,21 @@ class MeasuredEngine:
         batch += [(n[rid], c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids)]
         return Measured(tuple(batch), dt)
 
+    #: steps in a row that compute nothing before the engine is declared stuck
+    MAX_IDLE_STEPS = 1000
+
     def drain(self) -> list[Measured]:
-        got = []
+        got, idle = [], 0
         while self.busy:
             s = self.step()
             if s is not None:
                 got.append(s)
+                idle = 0
+            else:
+                idle += 1
+                if idle >= self.MAX_IDLE_STEPS:
+                    raise RuntimeError("the engine has requests but schedules nothing (does "
+                                       "the grid fit its KV pool and context limit?)")
         return got
 
     def close(self) -> None:
@@ -234,30 +257,42 @@ def run_grid(engine: MeasuredEngine, grid: CalibrationGrid,
             engine.add(pre + tokens(32), 4)
         engine.drain()
 
+    settings = engine.settings()
+    bs = settings["block_size"]
+    # the grid within what the engine can hold: prompts (and a prefix plus its mixed prefill)
+    # below the context limit, decode batches within the running limit and a tenth of the pool
+    top = settings["max_model_len"] - 2 * bs - max(grid.mixed_prefills, default=0) - 16
+    pool_tokens = settings["kv_cache_bytes"] // max(1, engine.kv_bytes_per_token())
+    prompts = sorted({min(L, top) for L in grid.prefill_prompts if top > 0})
+    contexts = sorted({min(C, top) for C in grid.decode_contexts if top > 0})
+    batches = sorted({min(B, settings["max_num_seqs"]) for B in grid.decode_batches})
+    if not prompts or not contexts:
+        raise ValueError(f"max_model_len {settings['max_model_len']} leaves no room for the grid")
     jobs: list[Callable[[], list[Measured]]] = []
-    for L in grid.prefill_prompts:
+    for L in prompts:
         def prefill(L=L):
             engine.add(tokens(L), 1)
             return engine.drain()
         jobs.append(prefill)
-    bs = engine.settings()["block_size"]
-    for C in grid.decode_contexts:
+    for C in contexts:
         C = max(bs, C // bs * bs)  # whole blocks: the prefix is cached and shared
         prefix: list[int] = []
 
-        def cache_prefix(C=C):
+        def cache_prefix(C=C, prefix=prefix):
             prefix[:] = tokens(C)
             engine.add(prefix, 1)
             return engine.drain()
         jobs.append(cache_prefix)
-        for B in grid.decode_batches:
-            def decode(B=B):
+        for B in batches:
+            if B * (bs + grid.decode_steps + 2) + C > pool_tokens // 10:
+                continue  # tails of a big batch would crowd the pool: not what is measured
+            def decode(B=B, prefix=prefix):
                 for _ in range(B):
                     engine.add(prefix + tokens(bs), grid.decode_steps + 1)
                 return engine.drain()
             jobs.append(decode)
             for P in grid.mixed_prefills:
-                def mixed(B=B, P=P):
+                def mixed(B=B, P=P, prefix=prefix):
                     for _ in range(B):
                         engine.add(prefix + tokens(bs), grid.decode_steps + 2)
                     got = []

@@ -93,7 +93,7 @@ class EmulationConfig:
         return kv_budget_bytes(model, gpu, utilization, self.reserve_gib)
 
 
-def _tokenizer_size(model_config) -> int:
+def tokenizer_size(model_config) -> int:
     """Ids the served tokenizer knows (vLLM rejects a prompt with any other, and the replay
     feeds sampled tokens back as prompt ids); the model config's vocab can be larger."""
     from pathlib import Path
@@ -120,7 +120,7 @@ class EmulatedWorker:
         self.model, self.gpu = self.config.specs(str(cache.cache_dtype))
         self.step_model = StepTimeModel(self.model, self.gpu, self.config.step_coefficients())
         self.table = RequestTable(EmulatedOutput(
-            token_hi=_tokenizer_size(vllm_config.model_config),
+            token_hi=tokenizer_size(vllm_config.model_config),
             natural_tokens=self.config.natural_tokens))
         self.pacer = pacer or WallPacer()
         set_active(self.pacer)

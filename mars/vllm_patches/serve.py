@@ -220,8 +220,10 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
         elif not sep:
             raise ValueError("--emulate takes GPU:MODEL, e.g. h100-nvl:qwen3-coder-30b-a3b, "
                              "or a device profile file (.json)")
+        if profile is not None:
+            _refuse_with_profile(argv, extra)
         cfg = EmulationConfig.from_dict({"gpu": gpu, "model": model, **extra,
-                                         "profile": profile.as_dict() if profile else None})
+                                         "profile": profile.essentials() if profile else None})
         cfg.step_coefficients()
         m, g = cfg.specs(str(getattr(args, "kv_cache_dtype", "auto") or "auto"))
         budget = cfg.kv_cache_bytes(m, g, args.gpu_memory_utilization)
@@ -233,8 +235,9 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     path = write_tiny_model(default_model_dir())
     args.model_tag = args.model = str(path)
     if not given(argv, "--served-model-name"):
-        args.served_model_name = [(profile.served_model_name if profile else "")
-                                  or m.hf_id or m.name]
+        # a profile's own name, not the measured server's: results (and their cached ideal
+        # latencies) of the emulation must not pass for the real engine's
+        args.served_model_name = [profile.name if profile else (m.hf_id or m.name)]
     if profile is not None and not given(argv, "--max-model-len"):
         args.max_model_len = profile.engine.max_model_len
     elif not given(argv, "--max-model-len"):
@@ -259,6 +262,17 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     print(f"mars: EMULATED {what} (step-time model, no weights; docs/emulation.md)",
           file=sys.stderr, flush=True)
     return cfg.as_dict()
+
+
+def _refuse_with_profile(argv: list[str], extra: dict) -> None:
+    """A device profile fixes the KV pool and dtype it was measured with: flags that would
+    size or shape the pool differently are refused rather than silently ignored."""
+    for flag in ("--gpu-memory-utilization", "--kv-cache-dtype", "--kv-cache-memory-bytes"):
+        if given(argv, flag):
+            raise ValueError(f"{flag} does not apply to a device profile: it emulates the KV "
+                             "pool the profile was measured with")
+    if "reserve_gib" in extra:
+        raise ValueError("--emulate-config reserve_gib does not apply to a device profile")
 
 
 def _check_mars_config(policy: str, overrides: dict | None) -> None:

@@ -19,6 +19,7 @@ same way; no engine method is overridden here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,24 @@ class CallbackPublisher:
         pass
 
 
+@contextlib.contextmanager
+def in_process_engine():
+    """vLLM's executor in this process while an engine is built here
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM's in-process client sets it), and the
+    variable restored afterwards: left set, every engine a later child process starts (a
+    server a test or a bench launches) would run the in-process executor too."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    old = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 def engine_args_for(emulate: str | None, policy: str, extra: Sequence[str] = ()):
     """The ``argparse`` namespace ``mars-vllm serve [--emulate TARGET] --policy P EXTRA``
     builds (mars defaults applied), with no events socket or file. ``emulate``: ``GPU:MODEL``
@@ -74,20 +93,20 @@ class SimEngine:
 
     def __init__(self, emulate: str, policy: str, *, clock, sink: Callable[[dict], None],
                  extra_args: Sequence[str] = ()) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.sampling_params import SamplingParams
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine import EngineCoreRequest
-        from vllm.v1.engine.core import EngineCore
+        with in_process_engine():
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.sampling_params import SamplingParams
+            from vllm.usage.usage_lib import UsageContext
+            from vllm.v1.engine import EngineCoreRequest
+            from vllm.v1.engine.core import EngineCore
 
-        from mars.vllm_patches.emulated_executor import EmulatedExecutor
+            from mars.vllm_patches.emulated_executor import EmulatedExecutor
 
-        self._SP, self._ECR = SamplingParams, EngineCoreRequest
-        args = engine_args_for(emulate, policy, extra_args)
-        self.vllm_config = EngineArgs.from_cli_args(args).create_engine_config(
-            usage_context=UsageContext.OPENAI_API_SERVER)
-        self.core = EngineCore(self.vllm_config, EmulatedExecutor, log_stats=False)
+            self._SP, self._ECR = SamplingParams, EngineCoreRequest
+            args = engine_args_for(emulate, policy, extra_args)
+            self.vllm_config = EngineArgs.from_cli_args(args).create_engine_config(
+                usage_context=UsageContext.OPENAI_API_SERVER)
+            self.core = EngineCore(self.vllm_config, EmulatedExecutor, log_stats=False)
         # one step = schedule, execute, update (the emulated executor runs vLLM's synchronous
         # loop; a batch queue would pipeline steps and step() would not be the engine's step)
         assert self.core.batch_queue is None and self.core.step_fn == self.core.step
