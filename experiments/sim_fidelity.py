@@ -6,7 +6,10 @@ model: once through the whole served stack in real time (``mars-vllm serve --emu
 sidecar, the engine paced by the wall clock) and once in ``mars sim`` (the same engine, admission
 core and trace semantics in one process on a virtual clock). Printed: mean / P90 / P95 task
 latency, TTFT P50 / P90 and the Kolmogorov-Smirnov distance between the two per-round TTFT
-distributions, with the simulator's relative error. Both sides use ``--ideal skip``: goodput is
+distributions, the engine's own time summed over every call (scheduler took it to its end) and
+the mean task latency less what lies outside the engine's calls and the tools' planned time
+(``mars.sim.fidelity``: on the served side the HTTP path, API server, sidecar and late tool
+timers), with the simulator's relative error. Both sides use ``--ideal skip``: goodput is
 not compared here.
 
     .venv/bin/python experiments/sim_fidelity.py --points ILR-1:6:0.1,ILR-3:12:0.2 \\
@@ -88,8 +91,16 @@ def _row(res) -> dict:
     s = res.summary
     lat, ttft = s["latency_s"], s["ttft_s"]
     ttfts = [r.ttft_s for t in res.tasks for r in t.rounds if r.ttft_s is not None]
+    from mars.sim.fidelity import engine_call_seconds, engine_side_mean
+    from mars.workloads.eventlink import read_events
+
+    ev_path = Path(res.files.get("events") or "")
+    ev = read_events(ev_path) if ev_path.is_file() else None
+    nan = float("nan")
     return {"mean": lat["mean"], "p90": lat["p90"], "p95": lat["p95"], "ttft_p50": ttft["p50"],
-            "ttft_p90": ttft["p90"], "ttfts": ttfts}
+            "ttft_p90": ttft["p90"], "ttfts": ttfts,
+            "engine": engine_call_seconds(ev) if ev else nan,
+            "engine_side_mean": engine_side_mean(res, ev) if ev else nan}
 
 
 def main() -> None:
@@ -108,6 +119,8 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="divide tool durations and arrival times by this (default 1)")
     ap.add_argument("--out", default="runs/sim-fidelity")
+    ap.add_argument("--reuse", action="store_true",
+                    help="tabulate the runs already under --out instead of running them")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,9 +136,14 @@ def main() -> None:
         write_trace(trace, tdir / "trace.jsonl")
         for policy in args.policies.split(","):
             t0 = time.monotonic()
-            paced = read_results(_paced(args, policy, tdir / "trace.jsonl", tdir / f"paced-{policy}"))
+            pdir, sdir = tdir / f"paced-{policy}", tdir / "sim" / policy
+            if not (args.reuse and (pdir / "results.json").is_file()):
+                pdir = _paced(args, policy, tdir / "trace.jsonl", pdir)
+            paced = read_results(pdir)
             t1 = time.monotonic()
-            sim = read_results(_sim(args, policy, tdir / "trace.jsonl", tdir / "sim"))
+            if not (args.reuse and (sdir / "results.json").is_file()):
+                sdir = _sim(args, policy, tdir / "trace.jsonl", tdir / "sim")
+            sim = read_results(sdir)
             t2 = time.monotonic()
             p, s = _row(paced), _row(sim)
             rows.append((spec, policy, p, s, t1 - t0, t2 - t1))
@@ -140,8 +158,8 @@ def main() -> None:
               "paced = served stack in real time, sim = mars sim (virtual time)\n")
     print(f"| point | policy | mean {ref} / sim (s) | err | P90 {ref} / sim (s) | err | "
           f"P95 {ref} / sim (s) | err | TTFT P50 {ref} / sim (s) | TTFT P90 {ref} / sim (s) | "
-          f"TTFT KS | wall {ref} / sim (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"TTFT KS | engine Σ {ref} / sim (s) | err | engine-side mean {ref} / sim (s) | err |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     for spec, policy, p, s, wp, ws in rows:
         def err(k: str) -> str:
@@ -150,7 +168,10 @@ def main() -> None:
         print(f"| {spec} | {policy} | {p['mean']:.1f} / {s['mean']:.1f} | {err('mean')} | "
               f"{p['p90']:.1f} / {s['p90']:.1f} | {err('p90')} | {p['p95']:.1f} / {s['p95']:.1f} "
               f"| {err('p95')} | {p['ttft_p50']:.3f} / {s['ttft_p50']:.3f} | "
-              f"{p['ttft_p90']:.2f} / {s['ttft_p90']:.2f} | {ks:.2f} | {wp:.0f} / {ws:.0f} |")
+              f"{p['ttft_p90']:.2f} / {s['ttft_p90']:.2f} | {ks:.2f} | "
+              f"{p['engine']:.1f} / {s['engine']:.1f} | {err('engine')} | "
+              f"{p['engine_side_mean']:.1f} / {s['engine_side_mean']:.1f} | "
+              f"{err('engine_side_mean')} |")
         summary.append({"point": spec, "policy": policy,
                         **{f"paced_{k}": v for k, v in p.items() if k != "ttfts"},
                         **{f"sim_{k}": v for k, v in s.items() if k != "ttfts"},

@@ -92,9 +92,16 @@ def test_bad_profiles_are_refused_by_serve_and_sim(tmp_path):
 def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
     """Fidelity, small form (the full table: docs/sim.md): the same trace through the real
     served engine on this machine (``mars-vllm serve`` on the embedded model, real compute,
-    real HTTP and sidecar) and through ``mars sim --profile`` agrees on mean task latency
-    within 15 %. Tools are 10x shorter so the engine's share of the latency is not small."""
+    real HTTP and sidecar) and through ``mars sim --profile`` agrees within 15 % on what the
+    simulator models: the engine's own time (each call from the scheduler taking it to its
+    end, summed) and mean task latency once the host's measured share is taken out of the
+    real run (the HTTP path, API server and sidecar around each call, tools' late timers:
+    10-17 % of the latency on this busy 2-core machine, docs/sim.md; the same measure is
+    taken out of the simulated run, where it is only the wait for a step in progress).
+    Tools are 10x shorter so the engine's share of the latency is not small."""
     from mars.launch import ServerProcess
+    from mars.sim.fidelity import engine_call_seconds, engine_side_mean, outside_engine
+    from mars.workloads.eventlink import read_events
     from mars.workloads.generator import generate
     from mars.workloads.results import read_results
     from mars.workloads.trace import write_trace
@@ -119,11 +126,23 @@ def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     real = read_results(tmp_path / "real")
     sim = read_results(tmp_path / "sim" / "fcfs")
-    # the engine's share: the rounds' time, not only the tools'
-    llm = sum(x.end_s - x.submit_s for t in real.tasks for x in t.rounds)
-    assert llm > 0.2 * sum(t.latency_s for t in real.tasks)
-    assert sim.summary["latency_s"]["mean"] == pytest.approx(
-        real.summary["latency_s"]["mean"], rel=0.15), (real.summary, sim.summary)
+    assert real.summary["tasks"]["completed"] == sim.summary["tasks"]["completed"] == 3
+    # every call of the trace ran on both sides, and the engine's share of the latency is
+    # large enough that a wrong step-time model shows in it
+    ev_real = read_events(tmp_path / "real" / "events.jsonl")
+    ev_sim = read_events(tmp_path / "sim" / "fcfs" / "events.jsonl")
+    eng_real, eng_sim = engine_call_seconds(ev_real), engine_call_seconds(ev_sim)
+    assert real.summary["rounds"] == sim.summary["rounds"] == \
+        sum(t.num_rounds for t in trace.tasks)
+    assert eng_real > 0.2 * sum(t.latency_s for t in real.tasks)
+    outside = outside_engine(real, ev_real)
+    assert all(o.unmatched == 0 for o in outside.values())
+    mean_real, mean_sim = engine_side_mean(real, ev_real), engine_side_mean(sim, ev_sim)
+    detail = {"engine_s": (eng_real, eng_sim), "latency": (real.summary["latency_s"],
+              sim.summary["latency_s"]), "outside_engine_real": outside,
+              "engine_side_mean": (mean_real, mean_sim)}
+    assert eng_sim == pytest.approx(eng_real, rel=0.15), detail
+    assert mean_sim == pytest.approx(mean_real, rel=0.15), detail
 
 
 def test_bench_simulates_a_grid_on_the_profile(profile, tmp_path):

@@ -100,9 +100,41 @@ def test_checked_coefficients_keep_every_product():
     assert dev == DEVICE
 
 
+def test_kv_that_fits_the_cache_is_read_at_the_cache_rate():
+    """The cache term: a step's KV, re-read every step, is read at ``ratio x`` the memory
+    rate while it fits the cache; beyond it only the cached part is; off by default (the
+    shipped GPU profiles' times are unchanged)."""
+    mem_bound = replace(StepCoefficients(), attention_efficiency=1.0, step_overhead_s=0.0,
+                        layer_overhead_s=0.0, request_overhead_s=0.0)
+    cached = replace(mem_bound, cache_bytes=8 * 2**20, cache_bandwidth_ratio=4.0)
+    plain, fast = StepTimeModel(TINY, DEVICE, mem_bound), StepTimeModel(TINY, DEVICE, cached)
+    per_token = TINY.kv_bytes_per_token()  # 512 B: 8 MiB is 16,384 tokens
+    small, big = [(1, 8192)], [(1, 8192)] * 16  # 4 MiB, 64 MiB of KV
+    assert fast.breakdown(small).attention == pytest.approx(plain.breakdown(small).attention / 4)
+    hot = 8 * 2**20 / (16 * 8193 * per_token)
+    assert fast.breakdown(big).attention == pytest.approx(
+        plain.breakdown(big).attention * (hot / 4 + 1 - hot))
+    # off: bit-identical to the model without the term
+    assert StepTimeModel(TINY, DEVICE, replace(mem_bound, cache_bandwidth_ratio=4.0)) \
+        .step_time(big) == plain.step_time(big)
+
+
+def test_the_fit_finds_the_cache_the_steps_show():
+    truth = StepCoefficients(gemm_efficiency=0.2, attention_efficiency=0.3,
+                             memory_efficiency=0.3, step_overhead_s=9e-4, layer_overhead_s=0.0,
+                             request_overhead_s=1.5e-5, cache_bytes=8 * 2**20,
+                             cache_bandwidth_ratio=3.0)
+    stm = StepTimeModel(TINY, DEVICE, truth)
+    samples = [Measured(b, stm.step_time(b)) for b in _batches()]
+    fit = fit_coefficients(TINY, DEVICE, samples, cache_hint_bytes=32 * 2**20)
+    assert fit.errors["max"] < 0.03, fit.errors
+    assert fit.coefficients.cache_bytes == pytest.approx(8 * 2**20, rel=0.2)
+
+
 @pytest.mark.parametrize("bad", [
     {"step_overhead_s": float("nan")}, {"attention_parallelism": float("inf")},
     {"attention_query_tile": 8.5}, {"gemm_efficiency": float("nan")},
+    {"cache_bytes": -1.0}, {"cache_bandwidth_ratio": 0.5}, {"cache_bytes": float("inf")},
 ])
 def test_non_finite_coefficients_are_refused(bad):
     with pytest.raises(ValueError):

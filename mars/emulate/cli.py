@@ -134,7 +134,7 @@ def _fit_profile(m: dict, args: argparse.Namespace):
     from mars.emulate.fit import fit_coefficients, relative_errors
     from mars.emulate.profile import DeviceProfile, EngineSettings
     from mars.emulate.specs import model_from_hf_config
-    from mars.vllm_patches.calibration import host_facts, memory_gib
+    from mars.vllm_patches.calibration import host_facts, last_level_cache_bytes, memory_gib
 
     name = args.name or f"{m['served']}@{args.device_name}"
     model = model_from_hf_config(name, m["config"])
@@ -143,7 +143,7 @@ def _fit_profile(m: dict, args: argparse.Namespace):
                            fp8_tflops=round(peaks["tflops"], 4),
                            hbm_tb_s=round(peaks["tb_s"], 5), memory_gib=round(memory_gib(), 1))
     steps = m["steps"]
-    fit = fit_coefficients(model, measured_gpu, steps)
+    fit = fit_coefficients(model, measured_gpu, steps, cache_hint_bytes=last_level_cache_bytes())
     errs = relative_errors(model, fit.gpu, fit.coefficients, steps)
     stm = StepTimeModel(model, fit.gpu, fit.coefficients)
     points = []
@@ -181,6 +181,8 @@ def _print_calibration(prof, fit, m: dict, out, seconds: float) -> None:
         print(f"| {k} | {getattr(fit.coefficients, k) * 1e6:.1f} us |")
     for k in ("attention_parallelism", "attention_query_tile", "attention_occupancy_exponent"):
         print(f"| {k} | {getattr(fit.coefficients, k):.4g} |")
+    print(f"| cache_bytes | {fit.coefficients.cache_bytes / 2**20:.1f} MiB |")
+    print(f"| cache_bandwidth_ratio | {fit.coefficients.cache_bandwidth_ratio:.3g} |")
     print("\n| steps | n | mean abs error |\n|---|---:|---:|")
     kinds = [s.kind for s in m["steps"]]
     for kind in ("prefill", "decode", "mixed"):

@@ -7,13 +7,14 @@ best. The objective is the mean squared log ratio of predicted to measured time:
 error, so a 1 ms decode counts as much as a 200 ms prefill chunk.
 
 What is fitted: the GEMM, attention and memory efficiencies (relative to the device's measured
-peaks, capped at 1), the per-step and per-request overheads, and the attention occupancy
+peaks, capped at 1), the per-step and per-request overheads, the attention occupancy
 (parallelism and exponent; the query tile is chosen from a few sizes by the same objective, as
-it changes the batches' work). The per-layer overhead is not
-separately identifiable on one model (it is ``layers x`` a constant, like the per-step one), so
-it is fixed at 0 and the step overhead carries it. The MoE efficiency is never fitted (kept
-at its default): the embedded model is dense, so nothing measured here prices experts. The search is Nelder--Mead on the logarithms
-(no SciPy dependency), restarted from a few deterministic starts; the result is deterministic
+it changes the batches' work) and the last-level cache (size and read-rate ratio). The
+per-layer overhead is not separately identifiable on one model (it is ``layers x`` a
+constant, like the per-step one), so it is fixed at 0 and the step overhead carries it. The
+MoE efficiency is never fitted (kept at its default): the embedded model is dense, so nothing
+measured here prices experts. The search is Nelder--Mead on the logarithms (no SciPy
+dependency), restarted from a few deterministic starts; the result is deterministic
 for the same samples.
 """
 
@@ -29,7 +30,8 @@ from mars.emulate.step_time import StepCoefficients, StepTimeModel
 #: the fitted fields, in the order of the search vector (all searched as logarithms but the
 #: exponent)
 FITTED = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "step_overhead_s",
-          "request_overhead_s", "attention_parallelism", "attention_occupancy_exponent")
+          "request_overhead_s", "attention_parallelism", "attention_occupancy_exponent",
+          "cache_bytes", "cache_bandwidth_ratio")
 _EFFICIENCIES = {"gemm_efficiency", "attention_efficiency", "memory_efficiency"}
 _MAX_EXPONENT = 2.0
 #: efficiencies may exceed the measured peaks during the search (a CPU's caches beat its
@@ -37,6 +39,10 @@ _MAX_EXPONENT = 2.0
 _SEARCH_CAP = 100.0
 #: query tiles tried (tokens): attention kernels tile queries by 8 to 128
 QUERY_TILES = (8, 16, 32, 64)
+#: where the cache size starts when the device's is unknown (bytes)
+_CACHE_START = 32 * 2**20
+#: the cache may be read at most this many times faster than memory
+_MAX_CACHE_RATIO = 50.0
 _FLOOR = 1e-7  # smallest efficiency the search may reach (StepCoefficients needs > 0)
 
 
@@ -46,6 +52,8 @@ class Measured:
 
     batch: tuple[tuple[int, int], ...]
     seconds: float
+    #: requests the step finished (their KV freed in the step's host work)
+    finished: int = 0
 
     @property
     def kind(self) -> str:
@@ -76,6 +84,9 @@ def _coefficients(x: Sequence[float], base: StepCoefficients) -> StepCoefficient
     for name, v in zip(FITTED, x):
         if name == "attention_occupancy_exponent":
             vals[name] = min(_MAX_EXPONENT, max(0.0, v))
+            continue
+        if name == "cache_bandwidth_ratio":
+            vals[name] = min(_MAX_CACHE_RATIO, math.exp(max(0.0, v)))
             continue
         e = math.exp(v)
         vals[name] = min(_SEARCH_CAP, max(_FLOOR, e)) if name in _EFFICIENCIES else e
@@ -164,8 +175,11 @@ def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: fl
 
 
 def fit_coefficients(model: ModelSpec, gpu: GpuSpec, samples: Sequence[Measured],
-                     base: StepCoefficients = StepCoefficients()) -> FitResult:
-    """The coefficients that minimize the mean squared log ratio over ``samples``."""
+                     base: StepCoefficients = StepCoefficients(),
+                     cache_hint_bytes: float = 0.0) -> FitResult:
+    """The coefficients that minimize the mean squared log ratio over ``samples``.
+    ``cache_hint_bytes``, the device's last-level cache as reported (0: unknown), is where
+    the search starts the cache size; the fit moves it to what the steps show."""
     good = [s for s in samples if s.seconds > 0 and any(n > 0 for n, _ in s.batch)]
     if len(good) < 2 * len(FITTED):
         raise ValueError(f"{len(good)} usable samples; the fit needs at least {2 * len(FITTED)}")
@@ -188,7 +202,9 @@ def fit_coefficients(model: ModelSpec, gpu: GpuSpec, samples: Sequence[Measured]
         for eff in (1e-1, 1e-2):
             for par in (8.0, 64.0):
                 x0 = [math.log(eff)] * 3 + [math.log(0.5 * t_min), math.log(0.05 * t_min),
-                                            math.log(par), 0.8]
+                                            math.log(par), 0.8,
+                                            math.log(cache_hint_bytes or _CACHE_START),
+                                            math.log(2.0)]
                 x, v = nelder_mead(loss, x0)
                 x, v = nelder_mead(loss, x, step=0.3)  # restart: Nelder-Mead can stall
                 if v < best_v:

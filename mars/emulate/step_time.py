@@ -20,7 +20,9 @@ at its full rate only when the batch gives it at least ``P`` query tiles of ``q`
 (``Q = sum ceil(n_i / q)``); a lone decode, or a short chunk over a long context, leaves the
 device's parallel units idle. Off (``P = 0``) in the shipped GPU profiles, where split-KV
 decoding keeps small batches memory-bound; fitted by ``mars emulate calibrate``, where the
-measured engine shows it (docs/emulation.md).
+measured engine shows it (docs/emulation.md). KV reads run ``r`` times faster for the part of
+the step's KV that fits a last-level cache of ``S`` bytes (it stays cached between steps);
+off (``S = 0``) in the GPU profiles, fitted on a CPU, where it decides decode times.
 
 with ``T`` the step's tokens, ``R`` its requests, ``F`` / ``B`` the GPU's dense BF16 peak and HBM
 bandwidth. What each coefficient is and where its value comes from: docs/emulation.md (every
@@ -67,6 +69,10 @@ class StepCoefficients:
     attention_parallelism: float = 0.0
     attention_query_tile: int = 16
     attention_occupancy_exponent: float = 1.0
+    #: KV that stays in the device's last-level cache between steps (bytes; 0: none) and how
+    #: much faster it is read from there than from memory
+    cache_bytes: float = 0.0
+    cache_bandwidth_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         effs = (self.gemm_efficiency, self.moe_efficiency, self.attention_efficiency,
@@ -87,6 +93,9 @@ class StepCoefficients:
                 or not 0 <= self.attention_occupancy_exponent <= 4:
             raise ValueError("attention occupancy: parallelism >= 0, query tile >= 1, "
                              "exponent in [0, 4]")
+        if not (math.isfinite(self.cache_bytes) and math.isfinite(self.cache_bandwidth_ratio)
+                and self.cache_bytes >= 0 and self.cache_bandwidth_ratio >= 1):
+            raise ValueError("cache: bytes >= 0 and bandwidth ratio >= 1 (finite)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,17 +198,35 @@ class StepTimeModel:
             mlp += L * max(2 * T * k * m.expert_params / self._f_moe,
                            touched * self._expert_w / bw)
         af = self._attn_flop
+        kv_bw = self._kv_bandwidth(w)
         attn = m.full_layers * max(af * w.full_pairs / self._f_attn,
-                                   w.full_kv * self._kv_layer / bw)
+                                   w.full_kv * self._kv_layer / kv_bw)
         if m.sliding_layers:
             attn += m.sliding_layers * max(af * w.slide_pairs / self._f_attn,
-                                           w.slide_kv * self._kv_layer / bw)
+                                           w.slide_kv * self._kv_layer / kv_bw)
         P = c.attention_parallelism
         if P > 0 and w.query_tiles < P:
             attn /= (max(w.query_tiles, 1) / P) ** c.attention_occupancy_exponent
         logits = max(2 * R * m.vocab * m.hidden / self._f_gemm, self._logits_w / bw)
         overhead = self._fixed + R * c.request_overhead_s
         return StepBreakdown(proj, mlp, attn, logits, overhead)
+
+    def _kv_bandwidth(self, w: "StepWork") -> float:
+        """The rate the step's KV is read at. Every step re-reads each running request's
+        context, so when all of it fits in the device's last-level cache it stays there
+        between steps and is read at the cache's rate; the part beyond the cache comes from
+        memory. Matters on a CPU (tens of MiB of cache against a few MiB of KV per 10 K
+        tokens of a small model); a GPU's L2 holds a negligible share of a 30B model's KV,
+        and the shipped GPU profiles leave it off (``cache_bytes = 0``)."""
+        c, bw = self.coef, self._bw
+        if c.cache_bytes <= 0 or c.cache_bandwidth_ratio <= 1:
+            return bw
+        m = self.model
+        total = (m.full_layers * w.full_kv + m.sliding_layers * w.slide_kv) * self._kv_layer
+        if total <= 0:
+            return bw
+        hot = min(total, c.cache_bytes)
+        return total / (hot / (bw * c.cache_bandwidth_ratio) + (total - hot) / bw)
 
     # ------------------------------------------------------------------ derived figures
     def prefill_time(self, prompt: int, chunk: int | None = None) -> float:

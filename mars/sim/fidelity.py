@@ -1,0 +1,101 @@
+"""What a run's latency is made of, for comparing a real served run with ``mars sim``.
+
+The simulator models the engine (vLLM's scheduler and KV manager on a step-time model), the
+admission core and tools that take exactly their duration. A real run of the served stack
+also pays its *host*: the HTTP path, the API server and the sidecar around each call, and
+tools that overrun their planned time when the host's CPUs are busy (on a 2-core machine,
+vLLM's CPU engine busy-polls both). Those are measured here from the run's own records --
+the client's timestamps of each round (``results.json``) and the engine's of the same call
+(``events.jsonl``) -- so a fidelity check can compare the engine with the engine and say how
+much of the rest is the host. The same measure applies to a simulated run, where the part of
+a round outside its engine call is only the wait for the step in progress to end (a request
+joins the scheduler between steps, in both): subtracting it on both sides keeps the
+comparison symmetric. Nothing here reads wall time or imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mars.workloads.results import RunResult
+
+
+def engine_calls(events: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Seconds each request spent in the engine: ``gpu_submit`` (the scheduler took it) to
+    ``gpu_end``, by the engine's request id."""
+    start: dict[str, float] = {}
+    out: dict[str, float] = {}
+    for e in events:
+        kind, rid = e.get("kind"), e.get("request_id")
+        if kind == "gpu_submit":
+            start[rid] = e["ts"]
+        elif kind == "gpu_end" and rid in start:
+            out[rid] = e["ts"] - start.pop(rid)
+    return out
+
+
+def engine_call_seconds(events: Iterable[dict[str, Any]]) -> float:
+    """The engine's own time over every call, summed (what ``mars sim`` models)."""
+    return sum(engine_calls(events).values())
+
+
+@dataclass(frozen=True, slots=True)
+class OutsideEngine:
+    """The part of one task's latency spent neither in engine calls nor in tools' planned
+    time (seconds)."""
+
+    #: client-observed round time minus the engine's time for the same call, over the rounds
+    #: (served: HTTP, API server, sidecar, and the wait for the step in progress)
+    gaps_s: float
+    #: tools' measured run time minus their planned duration (late timers on a busy host)
+    tool_overrun_s: float
+    #: rounds whose engine call was not found in the events (not counted above)
+    unmatched: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.gaps_s + self.tool_overrun_s
+
+
+def _engine_time(calls: dict[str, float], client_id: str) -> float | None:
+    # the served API derives the engine's id from the client's (vLLM appends "-<n>-<hex>")
+    if client_id in calls:
+        return calls[client_id]
+    for rid, t in calls.items():
+        if rid.startswith(client_id + "-"):
+            return t
+    return None
+
+
+def outside_engine(results: RunResult,
+                   events: Iterable[dict[str, Any]]) -> dict[str, OutsideEngine]:
+    """Per task of ``results``, the part of
+    its latency outside its engine calls and its tools' planned time, from the engine's
+    ``events`` of the same run."""
+    calls = engine_calls(events)
+    out: dict[str, OutsideEngine] = {}
+    for task in results.tasks:
+        fe = over = 0.0
+        missing = 0
+        for r in task.rounds:
+            t = _engine_time(calls, r.request_id) if r.request_id else None
+            if t is None:
+                missing += 1
+            else:
+                fe += (r.end_s - r.submit_s) - t
+            if r.tool_end_s is not None and r.tool_start_s is not None and r.tool_duration_s:
+                over += (r.tool_end_s - r.tool_start_s) - r.tool_duration_s
+        out[task.task_id] = OutsideEngine(fe, over, missing)
+    return out
+
+
+def engine_side_mean(results: RunResult, events: Iterable[dict[str, Any]]) -> float:
+    """Mean latency of the completed tasks less the part outside the engine
+    (:func:`outside_engine`); NaN when none completed."""
+    out = outside_engine(results, events)
+    done = [t for t in results.tasks if t.latency_s is not None]
+    if not done:
+        return float("nan")
+    return sum(t.latency_s - out[t.task_id].total_s for t in done) / len(done)

@@ -1,0 +1,60 @@
+"""What a run's latency is made of (``mars.sim.fidelity``): the engine's calls, the rest."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mars.sim.fidelity import engine_call_seconds, engine_calls, engine_side_mean, outside_engine
+from mars.workloads.results import RoundResult, RunResult, TaskResult
+
+
+def _ev(kind: str, rid: str, ts: float) -> dict:
+    return {"v": 1, "kind": kind, "ts": ts, "session_id": "s", "request_id": rid}
+
+
+def _round(i: int, rid: str, submit: float, end: float, tool: float = 0.0,
+           tool_run: float | None = None) -> RoundResult:
+    r = RoundResult(index=i, prompt_tokens=10, output_tokens=2, planned_output_tokens=2,
+                    submit_s=submit, first_token_s=submit + 0.01, end_s=end, request_id=rid,
+                    tool="t" if tool else None, tool_duration_s=tool)
+    if tool:
+        r.tool_enqueue_s = r.tool_start_s = end
+        r.tool_end_s = end + (tool if tool_run is None else tool_run)
+    return r
+
+
+def _run(tasks: list[TaskResult]) -> RunResult:
+    return RunResult(label="x", mode="load", trace={}, server={}, config={}, run={},
+                     tasks=tasks)
+
+
+def test_engine_calls_pair_submit_and_end_per_request():
+    ev = [_ev("gpu_submit", "a", 1.0), _ev("gpu_submit", "b", 1.5), _ev("gpu_end", "a", 2.0),
+          _ev("gpu_end", "c", 9.0), _ev("gpu_end", "b", 4.0)]
+    assert engine_calls(ev) == {"a": 1.0, "b": 2.5}
+    assert engine_call_seconds(ev) == pytest.approx(3.5)
+
+
+def test_outside_engine_is_the_round_time_not_in_the_engine_and_late_tools():
+    # served ids carry vLLM's suffix after the client's id; the simulator's do not
+    served = "cmpl-t.r0.ab-0-1f2e3d4c"
+    ev = [_ev("gpu_submit", served, 0.1), _ev("gpu_end", served, 0.6),
+          _ev("gpu_submit", "t.r1", 2.05), _ev("gpu_end", "t.r1", 2.25)]
+    task = TaskResult(task_id="t", arrival_s=0.0, planned_rounds=3, status="completed",
+                      start_s=0.0, finish_s=3.0, rounds=[
+                          _round(0, "cmpl-t.r0.ab", 0.0, 0.7, tool=1.0, tool_run=1.3),
+                          _round(1, "t.r1", 2.0, 2.3, tool=0.5),
+                          _round(2, "t.r2", 2.8, 3.0)])  # no engine event: not counted
+    out = outside_engine(_run([task]), ev)["t"]
+    assert out.gaps_s == pytest.approx((0.7 - 0.5) + (0.3 - 0.2))
+    assert out.tool_overrun_s == pytest.approx(0.3)
+    assert out.unmatched == 1
+    assert out.total_s == pytest.approx(0.6)
+    assert engine_side_mean(_run([task]), ev) == pytest.approx(3.0 - 0.6)
+
+
+def test_engine_side_mean_counts_completed_tasks_only():
+    unfinished = TaskResult(task_id="u", arrival_s=0.0, planned_rounds=2, status="running")
+    assert math.isnan(engine_side_mean(_run([unfinished]), []))
