@@ -133,13 +133,50 @@ def test_compare_picks_the_strongest_complete_baseline_per_metric():
     assert m["mean"]["best"] == "fcfs" and m["mean"]["ratio"] == 2.0
     assert math.isinf(m["goodput@3"]["ratio"])  # MARS > 0, every baseline 0
     w = cmp["wins"]
-    assert w["mean"] == {"better": 2, "points": 2} and w["p95"] == {"better": 1, "points": 2}
+    assert (w["mean"]["better"], w["mean"]["points"]) == (2, 2)
+    assert (w["p95"]["better"], w["p95"]["points"]) == (1, 2)
+    assert w["mean"]["with_ci"] == 0 and r1["metrics"]["mean"]["ci"] is None  # no task data
     # ablation: variant / mars for latency, mars / variant for goodput (> 1: component helps)
     a1, a2 = cmp["ablation"]
     assert a1["metrics"]["mean"]["mars_no_coord"]["ratio"] == 2.0
     assert a1["metrics"]["mean"]["mars_no_ctrl"]["ratio"] == 0.5
     assert a1["metrics"]["goodput@3"]["mars_no_ctrl"]["ratio"] == 0.5
     assert math.isnan(a2["metrics"]["mean"]["mars_no_ctrl"]["ratio"])  # not run
+
+
+def test_paired_intervals_say_which_ratios_the_tasks_support():
+    """Per-task latencies give each latency ratio a paired-bootstrap interval: a MARS that is
+    faster on every task is clearly better; one that differs only by noise is not."""
+    import random
+
+    from mars.bench.stats import BootstrapConfig, paired_tasks, ratio_interval
+
+    rng = random.Random(0)
+    base = {f"t{i}": rng.uniform(20, 200) for i in range(60)}
+    fast = {k: v / 1.5 * rng.uniform(0.9, 1.1) for k, v in base.items()}
+    noise = {k: v * rng.uniform(0.8, 1.25) for k, v in base.items()}
+    lo, hi = ratio_interval(*paired_tasks(fast, base), "mean")
+    assert 1.35 < lo < hi < 1.7 and hi - lo < 0.15
+    lo, hi = ratio_interval(*paired_tasks(noise, base), "p90")
+    assert lo < 1 < hi
+    # deterministic, tasks unfinished on either side left out, too few tasks: no interval
+    assert ratio_interval(*paired_tasks(fast, base), "mean") == \
+        ratio_interval(*paired_tasks(fast, base), "mean")
+    m, b = paired_tasks({"a": 1.0, "b": None, "c": 2.0}, {"a": 2.0, "b": 3.0, "d": 1.0})
+    assert m.tolist() == [1.0] and b.tolist() == [2.0]
+    assert ratio_interval(m, b, "mean", BootstrapConfig(min_tasks=10)) is None
+
+    doc = _doc()
+    for p in doc["points"]:
+        if p["rate"] == 0.1 and p["policy"] in ("continuum", "mars"):
+            p["summary"]["task_latency_s"] = fast if p["policy"] == "mars" else base
+    cmp = compare(doc)
+    ci = cmp["vs_baseline"][0]["metrics"]["mean"]["ci"]
+    assert ci is not None and ci[0] > 1
+    assert cmp["wins"]["mean"]["clearly_better"] == 1 and cmp["wins"]["mean"]["with_ci"] == 1
+    text = format_tables(doc)
+    assert f"2.00× [{ci[0]:.2f}–{ci[1]:.2f}] (vs continuum)" in text
+    assert "mean latency 2/2 (1 clearly better, 0 clearly worse)" in text
 
 
 def test_tables_and_plots(tmp_path):

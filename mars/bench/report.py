@@ -14,6 +14,10 @@ and §6.5:
 * the ablation: each of ``mars_no_coord`` / ``mars_no_ctrl`` / ``mars_no_cosched`` against
   ``mars`` (``variant / mars`` for latency, so > 1 means the removed component helped).
 
+Latency ratios carry a 95 % interval where the points hold per-task latencies: a paired
+bootstrap over the trace's tasks (:mod:`mars.bench.stats`; all policies at a point replay the
+same tasks). A ratio whose interval excludes 1 is counted as a *clear* win or loss.
+
 A run whose tasks did not all finish (errors, interruption) is *incomplete*: its latency
 statistics cover only the finished tasks, which flatters it, so it is marked ``!`` in the
 tables and never chosen as the strongest baseline.
@@ -26,6 +30,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from mars.bench.stats import BootstrapConfig, paired_tasks, ratio_interval
 
 #: the paper's baselines (§6.2), in its order
 BASELINES = ("fcfs", "autellix", "infercept", "continuum", "continuum_dy")
@@ -135,7 +141,8 @@ def compare(doc: Mapping[str, Any]) -> dict[str, Any]:
     baselines = [p for p in BASELINES if p in policies]
 
     vs: list[dict[str, Any]] = []
-    wins = {m: {"better": 0, "points": 0} for m in metrics}
+    wins = {m: {"better": 0, "points": 0, "with_ci": 0, "clearly_better": 0,
+                "clearly_worse": 0} for m in metrics}
     if MARS in policies and baselines:
         for reg in regimes:
             for rate in regime_rates(cfg, reg):
@@ -154,12 +161,18 @@ def compare(doc: Mapping[str, Any]) -> dict[str, Any]:
                         continue
                     bv, best = (min if lower else max)(cands)
                     r = ratio(mv, bv, lower)
-                    row["metrics"][m] = {"mars": mv, "best": best, "best_value": bv, "ratio": r}
+                    ci = _interval(mp, idx.get((reg, rate, best)), m)
+                    row["metrics"][m] = {"mars": mv, "best": best, "best_value": bv, "ratio": r,
+                                         "ci": ci}
                     if math.isfinite(mv) and complete(mp):
                         wins[m]["points"] += 1
                         # goodput: a tie (e.g. both at the same value) counts as not worse
                         if (mv < bv) if lower else (mv >= bv and mv > 0):
                             wins[m]["better"] += 1
+                        if ci is not None:
+                            wins[m]["with_ci"] += 1
+                            wins[m]["clearly_better"] += ci[0] > 1
+                            wins[m]["clearly_worse"] += ci[1] < 1
                 vs.append(row)
 
     abl: list[dict[str, Any]] = []
@@ -187,6 +200,20 @@ def compare(doc: Mapping[str, Any]) -> dict[str, Any]:
                 abl.append(row)
     return {"vs_baseline": vs, "ablation": abl, "wins": wins, "baselines": baselines,
             "variants": variants}
+
+
+def _interval(mars_point: Mapping[str, Any] | None, base_point: Mapping[str, Any] | None,
+              name: str) -> list[float] | None:
+    """The paired-bootstrap interval of a latency ratio, when both points carry per-task
+    latencies (bench documents before they did: none)."""
+    if name not in ("mean", "p90", "p95") or not mars_point or not base_point:
+        return None
+    a = (mars_point.get("summary") or {}).get("task_latency_s")
+    b = (base_point.get("summary") or {}).get("task_latency_s")
+    if not a or not b:
+        return None
+    ci = ratio_interval(*paired_tasks(a, b), name, BootstrapConfig())
+    return None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
 
 
 # ------------------------------------------------------------------------------- tables
@@ -287,7 +314,9 @@ def vs_baseline_table(cmp: Mapping[str, Any], slacks: Sequence[str]) -> str:
                 cells.append("–")
                 continue
             mark = "" if row["mars_complete"] else " !"
-            cells.append(f"{fmt_ratio(c['ratio'])}{mark} (vs {c['best']})")
+            ci = c.get("ci")
+            band = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci else ""
+            cells.append(f"{fmt_ratio(c['ratio'])}{band}{mark} (vs {c['best']})")
         rows.append(cells)
     header = ["regime", "rate", "mean", "P90", "P95", *[f"goodput s={s}" for s in slacks]]
     return _table(header, rows)
@@ -296,15 +325,22 @@ def vs_baseline_table(cmp: Mapping[str, Any], slacks: Sequence[str]) -> str:
 def wins_line(cmp: Mapping[str, Any], slacks: Sequence[str]) -> str:
     w = cmp["wins"]
     parts = []
+    any_ci = any((d or {}).get("with_ci") for d in w.values())
     for m, label in [("mean", "mean latency"), ("p90", "P90"), ("p95", "P95")] + [
             (f"goodput@{s}", f"goodput s={s}") for s in slacks]:
         d = w.get(m) or {}
         if d.get("points"):
-            parts.append(f"{label} {d['better']}/{d['points']}")
+            clear = ""
+            if d.get("with_ci"):
+                clear = (f" ({d['clearly_better']} clearly better, {d['clearly_worse']} "
+                         "clearly worse)")
+            parts.append(f"{label} {d['better']}/{d['points']}{clear}")
     if not parts:
         return ""
     return ("MARS beats the strongest baseline (goodput: at least equal and > 0) at: "
-            + ", ".join(parts) + " points.")
+            + ", ".join(parts) + " points."
+            + (" Clearly: the ratio's 95 % paired-bootstrap interval over the trace's tasks "
+               "excludes 1." if any_ci else ""))
 
 
 def ablation_table(cmp: Mapping[str, Any]) -> str:

@@ -328,6 +328,9 @@ def point_summary(res) -> dict[str, Any]:
         "tool_wait_mean_s": get("tool_wait_s", "mean"),
         "tasks_per_s": get("throughput", "tasks_per_s"),
         "wall_s": res.run.get("wall_s"),
+        # per-task latency (None: not finished): the paired intervals of the comparison
+        "task_latency_s": {t.task_id: (None if t.latency_s is None else round(t.latency_s, 4))
+                           for t in res.tasks},
     }
 
 
