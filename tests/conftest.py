@@ -39,6 +39,30 @@ def wait_for_events(path, pred, timeout_s: float = 10.0) -> list[dict]:
         time.sleep(0.1)
 
 
+def _cpu_times() -> tuple[float, float]:
+    """(idle, total) jiffies over all CPUs, from /proc/stat."""
+    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    vals = [float(x) for x in f]
+    return vals[3] + (vals[4] if len(vals) > 4 else 0.0), sum(vals[:8])
+
+
+def wait_for_quiet_cpu(idle_fraction: float = 0.85, window_s: float = 2.0,
+                       timeout_s: float = 180.0) -> float:
+    """Wait until the machine's CPUs are mostly idle over a whole window (processes of an
+    earlier test still winding down, say), for tests that time real compute against a model
+    of it. Returns the idle fraction last seen; after ``timeout_s`` it goes on regardless
+    (the test then measures a busy machine, and says so if it fails)."""
+    deadline = time.monotonic() + timeout_s
+    idle = 0.0
+    while True:
+        i0, t0 = _cpu_times()
+        time.sleep(window_s)
+        i1, t1 = _cpu_times()
+        idle = (i1 - i0) / max(1e-9, t1 - t0)
+        if idle >= idle_fraction or time.monotonic() > deadline:
+            return idle
+
+
 def engine_server(extra_args: list[str] | None = None, **kw):
     vllm = pytest.importorskip("vllm")  # noqa: F841 - engine tests need the serving env
     from mars.launch import ServerProcess

@@ -106,8 +106,8 @@ def _measure(extra: list[str], quick: bool) -> dict:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from mars.vllm_patches.calibration import (CalibrationGrid, MeasuredEngine, measure_peaks,
-                                               run_grid)
+    from mars.vllm_patches.calibration import (DISTURBED_RATIO, CalibrationGrid,
+                                               MeasuredEngine, measure_peaks, run_grid)
 
     print("mars emulate calibrate: starting the real engine on this machine (mars-vllm serve "
           f"{' '.join(extra) or '(defaults)'})", file=sys.stderr, flush=True)
@@ -120,11 +120,16 @@ def _measure(extra: list[str], quick: bool) -> dict:
         def progress(i: int, n: int) -> None:
             print(f"\r  measuring: {i}/{n} workloads", end="", file=sys.stderr, flush=True)
 
-        steps = run_grid(engine, CalibrationGrid.quick() if quick else CalibrationGrid(),
-                         progress)
+        grid = run_grid(engine, CalibrationGrid.quick() if quick else CalibrationGrid(),
+                        progress)
         print(file=sys.stderr)
-        return {"steps": steps, "settings": settings, "config": cfg, "peaks": peaks,
-                "served": engine.served_model_name, "extra": extra, "quick": quick}
+        if grid.disturbed:
+            print(f"mars emulate calibrate: {grid.disturbed} of {grid.workloads} workloads ran "
+                  f"> {DISTURBED_RATIO:g}x slower in one pass than in another (noise, or "
+                  "something else using the CPU); the faster pass is kept", file=sys.stderr, flush=True)
+        return {"steps": grid.steps, "settings": settings, "config": cfg, "peaks": peaks,
+                "served": engine.served_model_name, "extra": extra, "quick": quick,
+                "workloads": grid.workloads, "disturbed": grid.disturbed}
     finally:
         engine.close()
 
@@ -152,6 +157,7 @@ def _fit_profile(m: dict, args: argparse.Namespace):
         points.append([s.kind, w.tokens, w.requests, w.full_pairs, w.full_kv,
                        round(s.seconds, 7), round(s.seconds * (1 + e), 7)])
     fit_info = {**fit.as_dict(), "grid": "quick" if m["quick"] else "default",
+                "workloads": m.get("workloads"), "disturbed_workloads": m.get("disturbed"),
                 "point_fields": ["kind", "tokens", "requests", "attention_pairs", "kv_tokens",
                                  "measured_s", "predicted_s"], "points": points}
     prof = DeviceProfile(name=name, gpu=fit.gpu, model_config=m["config"],

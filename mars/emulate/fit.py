@@ -3,8 +3,10 @@
 ``mars emulate calibrate`` times real engine steps of known batches; this module finds the
 :class:`~mars.emulate.step_time.StepCoefficients` under which *the same* model
 (:class:`~mars.emulate.step_time.StepTimeModel`, roofline terms with ``max``) predicts them
-best. The objective is the mean squared log ratio of predicted to measured time: a relative
-error, so a 1 ms decode counts as much as a 200 ms prefill chunk.
+best. The objective is the mean robust (pseudo-Huber) loss of the log ratio of predicted to
+measured time: a relative error, so a 1 ms decode counts as much as a 200 ms prefill chunk,
+and squared for errors up to ~10 % but only linear beyond, so that steps slowed by something
+else on a shared machine do not pull the fit.
 
 What is fitted: the GEMM, attention and memory efficiencies (relative to the device's measured
 peaks, capped at 1), the per-step and per-request overheads, the attention occupancy
@@ -174,10 +176,25 @@ def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: fl
     return pts[i], vals[i]
 
 
+def robust_loss(r: float, scale: float) -> float:
+    """Pseudo-Huber loss of a log ratio: ``r^2`` for ``|r| << scale``, growing only linearly
+    beyond. A step slowed by something else on the machine (another process, a page fault)
+    is a large positive ``r`` that squared error would let pull the whole fit; this counts
+    it as one sample among many. ``scale = inf``: plain squared error."""
+    if math.isinf(scale):
+        return r * r
+    return 2 * scale * scale * (math.sqrt(1 + (r / scale) ** 2) - 1)
+
+
+#: log-ratio scale of the robust loss: errors up to ~10 % count as squared error
+LOSS_SCALE = 0.1
+
+
 def fit_coefficients(model: ModelSpec, gpu: GpuSpec, samples: Sequence[Measured],
                      base: StepCoefficients = StepCoefficients(),
-                     cache_hint_bytes: float = 0.0) -> FitResult:
-    """The coefficients that minimize the mean squared log ratio over ``samples``.
+                     cache_hint_bytes: float = 0.0,
+                     loss_scale: float = LOSS_SCALE) -> FitResult:
+    """The coefficients that minimize the mean robust loss of the log ratio over ``samples``.
     ``cache_hint_bytes``, the device's last-level cache as reported (0: unknown), is where
     the search starts the cache size; the fit moves it to what the steps show."""
     good = [s for s in samples if s.seconds > 0 and any(n > 0 for n, _ in s.batch)]
@@ -196,7 +213,7 @@ def fit_coefficients(model: ModelSpec, gpu: GpuSpec, samples: Sequence[Measured]
             total = 0.0
             for w, lt in zip(works, logs):
                 t = stm.time_of(w).total
-                total += (math.log(t) - lt) ** 2 if t > 0 else 1e6
+                total += robust_loss(math.log(t) - lt, loss_scale) if t > 0 else 1e6
             return total / len(works)
 
         for eff in (1e-1, 1e-2):
