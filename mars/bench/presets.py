@@ -53,9 +53,6 @@ class Preset:
         s = self.onset[regime]
         return [_round2(s * m) for m in self.multiples]
 
-    def regime_rates(self) -> dict[str, list[float]]:
-        return {r: self.rates(r) for r in self.regimes}
-
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("h100-qwen", "h100-nvl:qwen3-coder-30b-a3b",

@@ -136,12 +136,12 @@ class BenchConfig:
 
     def _profile_digest(self) -> str | None:
         """A device profile's content: re-calibrated at the same path, its points differ."""
-        from mars.emulate.profile import is_profile_path
+        from mars.emulate.profile import is_profile_path, profile_digest
 
         if not self.sim or not is_profile_path(self.sim):
             return None
         try:
-            return hashlib.sha256(Path(self.sim).read_bytes()).hexdigest()
+            return profile_digest(self.sim)
         except OSError:
             return None
 

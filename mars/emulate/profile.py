@@ -127,6 +127,14 @@ class DeviceProfile:
             raise ValueError(f"{p}: {exc}") from None
 
 
+def profile_digest(path: str | Path) -> str:
+    """The file's content hash: results and cached ideal latencies are keyed by it, since a
+    profile re-calibrated at the same path predicts different times."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def is_profile_path(spec: str) -> bool:
     """``--emulate`` takes ``GPU:MODEL`` or a profile file: a file is named by its path."""
     return spec.endswith(".json") or Path(spec).is_file()

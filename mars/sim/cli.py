@@ -49,9 +49,7 @@ def _gpu_model(args: argparse.Namespace) -> None:
     from mars.emulate.specs import GPUS, MODELS
 
     if args.profile:
-        import hashlib
-
-        from mars.emulate.profile import DeviceProfile
+        from mars.emulate.profile import DeviceProfile, profile_digest
 
         try:
             prof = DeviceProfile.load(args.profile)
@@ -59,7 +57,7 @@ def _gpu_model(args: argparse.Namespace) -> None:
             raise SystemExit(f"mars sim: --profile: {e}") from None
         args.profile = os.path.abspath(args.profile)
         args.gpu, args.model = prof.gpu.name, prof.name
-        args.profile_sha256 = hashlib.sha256(Path(args.profile).read_bytes()).hexdigest()
+        args.profile_sha256 = profile_digest(args.profile)
         return
     args.profile_sha256 = None
     if args.gpu not in GPUS:
@@ -178,8 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     write_trace(trace, out / "trace.jsonl")
     _quiet_vllm()
     t0 = time.monotonic()
-    what = (f"device profile {Path(args.profile).name} ({args.gpu} x {args.model})"
-            if args.profile else f"GPU {args.gpu} x {args.model}")
+    what = point_config(args, args.policies[0]).target
     print(f"mars sim: SIMULATED (virtual time) on the EMULATED {what}: "
           f"{trace.header.regime}, {len(trace)} tasks, {sum(t.num_rounds for t in trace)} rounds, "
           f"{args.tool_cores} virtual tool cores; policies {', '.join(args.policies)}",

@@ -59,28 +59,26 @@ class OutsideEngine:
         return self.gaps_s + self.tool_overrun_s
 
 
-def _engine_time(calls: dict[str, float], client_id: str) -> float | None:
-    # the served API derives the engine's id from the client's (vLLM appends "-<n>-<hex>")
-    if client_id in calls:
-        return calls[client_id]
+def _by_client_id(calls: dict[str, float]) -> dict[str, float]:
+    """``calls`` reachable by the client's request id too: the served API derives the
+    engine's id from the client's by appending ``-<n>-<hex>``; the simulator's are equal."""
+    out = dict(calls)
     for rid, t in calls.items():
-        if rid.startswith(client_id + "-"):
-            return t
-    return None
+        out.setdefault(rid.rsplit("-", 2)[0], t)
+    return out
 
 
 def outside_engine(results: RunResult,
                    events: Iterable[dict[str, Any]]) -> dict[str, OutsideEngine]:
-    """Per task of ``results``, the part of
-    its latency outside its engine calls and its tools' planned time, from the engine's
-    ``events`` of the same run."""
-    calls = engine_calls(events)
+    """Per task of ``results``, the part of its latency outside its engine calls and its
+    tools' planned time, from the engine's ``events`` of the same run."""
+    calls = _by_client_id(engine_calls(events))
     out: dict[str, OutsideEngine] = {}
     for task in results.tasks:
         fe = over = 0.0
         missing = 0
         for r in task.rounds:
-            t = _engine_time(calls, r.request_id) if r.request_id else None
+            t = calls.get(r.request_id) if r.request_id else None
             if t is None:
                 missing += 1
             else:

@@ -304,7 +304,7 @@ def run_grid(engine: MeasuredEngine, grid: CalibrationGrid,
     settings = engine.settings()
     bs = settings["block_size"]
     # the grid within what the engine can hold: prompts (and a prefix plus its mixed prefill)
-    # below the context limit, decode batches within the running limit and a tenth of the pool
+    # below the context limit, decode batches within the running limit and a quarter of the pool
     top = settings["max_model_len"] - 2 * bs - max(grid.mixed_prefills, default=0) - 16
     pool_tokens = settings["kv_cache_bytes"] // max(1, engine.kv_bytes_per_token())
     prompts = sorted({min(L, top) for L in grid.prefill_prompts if top > 0})

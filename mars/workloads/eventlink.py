@@ -168,4 +168,3 @@ def write_events(path: str | os.PathLike[str], events: Iterable[dict[str, Any]])
     with open(path, "w", encoding="utf-8") as f:
         for ev in events:
             f.write(json.dumps(ev, separators=(",", ":")) + "\n")
-
