@@ -75,11 +75,12 @@ def _paced(args, policy: str, trace_path: Path, out: Path) -> Path:
     return out
 
 
-def _sim(args, policy: str, trace_path: Path, out: Path) -> Path:
+def _sim(args, policy: str, trace_path: Path, out: Path, ref: Path) -> Path:
     target = ["--profile", args.profile] if args.profile else ["--gpu", args.gpu,
                                                                 "--model", args.model]
+    host = ["--host-from", str(ref)] if args.host else []
     r = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace_path),
-                        *target, "--policies", policy,
+                        *target, *host, "--policies", policy,
                         "--tool-cores", str(args.tool_cores), "--ideal", "skip", "--no-plots",
                         "--no-progress", "--out", str(out)], capture_output=True, text=True)
     if r.returncode != 0:
@@ -91,7 +92,7 @@ def _row(res) -> dict:
     s = res.summary
     lat, ttft = s["latency_s"], s["ttft_s"]
     ttfts = [r.ttft_s for t in res.tasks for r in t.rounds if r.ttft_s is not None]
-    from mars.sim.fidelity import engine_call_seconds, engine_side_mean
+    from mars.sim.fidelity import engine_busy_seconds, engine_call_seconds, engine_side_mean
     from mars.workloads.eventlink import read_events
 
     ev_path = Path(res.files.get("events") or "")
@@ -100,6 +101,7 @@ def _row(res) -> dict:
     return {"mean": lat["mean"], "p90": lat["p90"], "p95": lat["p95"], "ttft_p50": ttft["p50"],
             "ttft_p90": ttft["p90"], "ttfts": ttfts,
             "engine": engine_call_seconds(ev) if ev else nan,
+            "busy": engine_busy_seconds(ev) if ev else nan,
             "engine_side_mean": engine_side_mean(res, ev) if ev else nan}
 
 
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="divide tool durations and arrival times by this (default 1)")
     ap.add_argument("--out", default="runs/sim-fidelity")
+    ap.add_argument("--host", action="store_true",
+                    help="model the served host in the simulator as measured in each real or "
+                         "paced run (mars sim run --host-from; results under sim-host/)")
     ap.add_argument("--reuse", action="store_true",
                     help="tabulate the runs already under --out instead of running them")
     args = ap.parse_args()
@@ -136,13 +141,14 @@ def main() -> None:
         write_trace(trace, tdir / "trace.jsonl")
         for policy in args.policies.split(","):
             t0 = time.monotonic()
-            pdir, sdir = tdir / f"paced-{policy}", tdir / "sim" / policy
+            sim_dir = tdir / ("sim-host" if args.host else "sim")
+            pdir, sdir = tdir / f"paced-{policy}", sim_dir / policy
             if not (args.reuse and (pdir / "results.json").is_file()):
                 pdir = _paced(args, policy, tdir / "trace.jsonl", pdir)
             paced = read_results(pdir)
             t1 = time.monotonic()
             if not (args.reuse and (sdir / "results.json").is_file()):
-                sdir = _sim(args, policy, tdir / "trace.jsonl", tdir / "sim")
+                sdir = _sim(args, policy, tdir / "trace.jsonl", sim_dir, pdir)
             sim = read_results(sdir)
             t2 = time.monotonic()
             p, s = _row(paced), _row(sim)
@@ -152,14 +158,16 @@ def main() -> None:
     if args.profile:
         print(f"\nreal = the real engine on this machine (embedded model, served stack, real "
               f"time); sim = mars sim on the device profile {args.profile}; "
-              f"{args.tool_cores} virtual tool cores, time scale {args.time_scale:g}\n")
+              f"{args.tool_cores} virtual tool cores, time scale {args.time_scale:g}"
+              f"{'; host modeled from each real run' if args.host else ''}\n")
     else:
         print(f"\nEMULATED GPU {args.gpu} x {args.model}, {args.tool_cores} virtual tool cores; "
               "paced = served stack in real time, sim = mars sim (virtual time)\n")
     print(f"| point | policy | mean {ref} / sim (s) | err | P90 {ref} / sim (s) | err | "
           f"P95 {ref} / sim (s) | err | TTFT P50 {ref} / sim (s) | TTFT P90 {ref} / sim (s) | "
-          f"TTFT KS | engine Σ {ref} / sim (s) | err | engine-side mean {ref} / sim (s) | err |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"TTFT KS | engine Σ {ref} / sim (s) | err | engine busy {ref} / sim (s) | err | "
+          f"engine-side mean {ref} / sim (s) | err |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     for spec, policy, p, s, wp, ws in rows:
         def err(k: str) -> str:
@@ -170,6 +178,7 @@ def main() -> None:
               f"| {err('p95')} | {p['ttft_p50']:.3f} / {s['ttft_p50']:.3f} | "
               f"{p['ttft_p90']:.2f} / {s['ttft_p90']:.2f} | {ks:.2f} | "
               f"{p['engine']:.1f} / {s['engine']:.1f} | {err('engine')} | "
+              f"{p['busy']:.1f} / {s['busy']:.1f} | {err('busy')} | "
               f"{p['engine_side_mean']:.1f} / {s['engine_side_mean']:.1f} | "
               f"{err('engine_side_mean')} |")
         summary.append({"point": spec, "policy": policy,

@@ -143,3 +143,33 @@ def test_sim_matches_the_paced_emulation(tmp_path):
     simulated = sim.summary["latency_s"]
     for k in ("mean", "p90"):
         assert simulated[k] == pytest.approx(paced[k], rel=0.10), (k, paced, simulated)
+
+
+def test_the_host_model_delays_each_round_and_stretches_tools(tmp_path):
+    """``mars sim run --host-from``: the served host's per-round delays and tools' overrun,
+    applied as given, and read back off the simulated run as they were put in."""
+    from mars.sim.host import HostModel, measure_host
+    from mars.sim.runner import SimConfig, Simulation
+    from mars.workloads.eventlink import read_events
+
+    trace = _trace(3, "ILR-1", 0.2)
+    host = HostModel(request_s=0.3, response_s=0.2, tool_overrun=1.0)
+    sim = Simulation(SimConfig(GPU, MODEL, "fcfs", progress=False, host=host),
+                     events_path=tmp_path / "events.jsonl")
+    try:
+        res = sim.run(trace, "load", "fcfs")
+    finally:
+        sim.close()
+    assert res.summary["tasks"]["completed"] == len(trace)
+    assert res.config["host_model"] == host.as_dict()
+    rounds = [r for t in res.tasks for r in t.rounds]
+    assert all(r.latency_s >= 0.5 for r in rounds)
+    tools = [r for r in rounds if r.tool_duration_s]
+    assert tools and all(  # (times are recorded to the microsecond)
+        r.tool_end_s - r.tool_start_s == pytest.approx(2 * r.tool_duration_s, abs=1e-5)
+        for r in tools)
+    got = measure_host(res, read_events(tmp_path / "events.jsonl"))
+    # the way back is exact; the way in also waits for the engine's step in progress
+    assert got.response_s == pytest.approx(0.2)
+    assert 0.3 <= got.request_s < 0.35
+    assert got.tool_overrun == pytest.approx(1.0, rel=1e-3)

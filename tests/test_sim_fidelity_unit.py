@@ -58,3 +58,57 @@ def test_outside_engine_is_the_round_time_not_in_the_engine_and_late_tools():
 def test_engine_side_mean_counts_completed_tasks_only():
     unfinished = TaskResult(task_id="u", arrival_s=0.0, planned_rounds=2, status="running")
     assert math.isnan(engine_side_mean(_run([unfinished]), []))
+
+
+def test_busy_time_counts_shared_time_once():
+    from mars.sim.fidelity import engine_busy_seconds
+
+    ev = [_ev("gpu_submit", "a", 0.0), _ev("gpu_submit", "b", 1.0), _ev("gpu_end", "a", 2.0),
+          _ev("gpu_end", "b", 3.0), _ev("gpu_submit", "c", 5.0), _ev("gpu_end", "c", 5.5)]
+    # a and b share [1, 2]: the sum counts it twice, the busy time once
+    assert engine_call_seconds(ev) == pytest.approx(4.5)
+    assert engine_busy_seconds(ev) == pytest.approx(3.5)
+    assert engine_busy_seconds([]) == 0.0
+
+
+def test_solo_calls_are_the_rounds_alone_in_both_runs():
+    from mars.sim.fidelity import solo_calls
+
+    # run a: rounds 0 and 1 of t overlap, u's round 0 is alone; run b: all alone
+    ta = TaskResult("t", 0.0, 2)
+    ta.rounds = [_round(0, "a0", 0.0, 2.0), _round(1, "a1", 1.0, 3.0)]
+    ua = TaskResult("u", 0.0, 1)
+    ua.rounds = [_round(0, "a2", 4.0, 5.0)]
+    ev_a = [_ev("gpu_submit", "a0", 0.0), _ev("gpu_submit", "a1", 1.0), _ev("gpu_end", "a0", 2.0),
+            _ev("gpu_end", "a1", 3.0), _ev("gpu_submit", "a2", 4.0), _ev("gpu_end", "a2", 5.0)]
+    tb = TaskResult("t", 0.0, 2)
+    tb.rounds = [_round(0, "b0", 0.0, 1.0), _round(1, "b1", 2.0, 3.0)]
+    ub = TaskResult("u", 0.0, 1)
+    ub.rounds = [_round(0, "b2", 4.0, 4.5)]
+    ev_b = [_ev("gpu_submit", "b0", 0.0), _ev("gpu_end", "b0", 1.0), _ev("gpu_submit", "b1", 2.0),
+            _ev("gpu_end", "b1", 3.0), _ev("gpu_submit", "b2", 4.0), _ev("gpu_end", "b2", 4.5)]
+    run_a, run_b = _run([ta, ua]), _run([tb, ub])
+    s = solo_calls((run_a, ev_a), (run_b, ev_b))
+    assert (s.calls, s.seconds_a, s.seconds_b) == (1, pytest.approx(1.0), pytest.approx(0.5))
+
+
+def test_host_model_is_read_off_a_run_and_checked():
+    from mars.sim.host import HostModel, measure_host
+
+    t = TaskResult("t", 0.0, 2)
+    # round 0: sent at 0, engine 0.1-1.0, client done 1.2; its tool ran 3 s for 2 planned;
+    # round 1: sent at 4.0, engine 4.3-5.0, client done 5.0
+    t.rounds = [_round(0, "r0", 0.0, 1.2, tool=2.0, tool_run=3.0), _round(1, "r1", 4.0, 5.0)]
+    run = _run([t])
+    run.run["start_unix"] = 100.0
+    ev = [_ev("gpu_submit", "r0", 100.1), _ev("gpu_end", "r0", 101.0),
+          _ev("gpu_submit", "r1", 104.3), _ev("gpu_end", "r1", 105.0)]
+    h = measure_host(run, ev)
+    assert h.request_s == pytest.approx(0.2) and h.response_s == pytest.approx(0.1)
+    assert h.tool_overrun == pytest.approx(0.5) and h.active
+    assert not HostModel().active
+    for bad in ({"request_s": -1.0}, {"response_s": math.nan}, {"tool_overrun": math.inf}):
+        with pytest.raises(ValueError, match="host model"):
+            HostModel(**bad)
+    with pytest.raises(ValueError, match="no round"):
+        measure_host(run, [])

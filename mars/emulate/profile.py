@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,22 @@ class DeviceProfile:
     @property
     def model(self) -> ModelSpec:
         return model_from_hf_config(self.name, self.model_config)
+
+    def slowed(self, factor: float) -> "DeviceProfile":
+        """The same device ``factor`` times slower (> 1) or faster: every step takes exactly
+        ``factor`` x its time (peaks divided, fixed overheads multiplied; the fitted shape is
+        kept). For a run measured while the machine ran at another speed than when it was
+        calibrated (:func:`mars.emulate.step_log.speed_factor`)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"speed factor must be a positive number, got {factor!r}")
+        g, c = self.gpu, self.coefficients
+        gpu = replace(g, bf16_tflops=g.bf16_tflops / factor, fp8_tflops=g.fp8_tflops / factor,
+                      hbm_tb_s=g.hbm_tb_s / factor)
+        coef = replace(c, step_overhead_s=c.step_overhead_s * factor,
+                       layer_overhead_s=c.layer_overhead_s * factor,
+                       request_overhead_s=c.request_overhead_s * factor)
+        return replace(self, gpu=gpu, coefficients=coef,
+                       fit={**self.fit, "slowed_by": factor * self.fit.get("slowed_by", 1.0)})
 
     # ------------------------------------------------------------------ JSON
     def as_dict(self) -> dict[str, Any]:

@@ -66,10 +66,36 @@ def _gpu_model(args: argparse.Namespace) -> None:
         raise SystemExit(f"mars sim: unknown model {args.model!r}; known: {', '.join(MODELS)}")
 
 
+def _host(args: argparse.Namespace) -> None:
+    """``--host-from RUN``: the served host's delays, measured off a real run's records."""
+    from mars.sim.host import HostModel, measure_host
+
+    args.host_model = HostModel()
+    run = getattr(args, "host_from", None)
+    if not run:
+        return
+    from mars.workloads.eventlink import read_events
+    from mars.workloads.results import read_results
+
+    d = Path(run)
+    try:
+        res = read_results(d)
+        ev = read_events(d / "events.jsonl")
+        args.host_model = h = measure_host(res, ev)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"mars sim: --host-from {run}: {e} (a `mars replay` output directory "
+                         "with results.json and events.jsonl)") from None
+    print(f"mars sim: host modeled from {run}: {h.request_s * 1e3:.1f} ms to the engine and "
+          f"{h.response_s * 1e3:.1f} ms back per round, tools +{h.tool_overrun:.1%}",
+          file=sys.stderr)
+
+
 def point_config(args: argparse.Namespace, policy: str):
+    from mars.sim.host import HostModel
     from mars.sim.runner import SimConfig
 
-    return SimConfig(gpu=args.gpu, model=args.model, policy=policy,
+    host = getattr(args, "host_model", None) or HostModel()
+    return SimConfig(host=host, gpu=args.gpu, model=args.model, policy=policy,
                      tool_cores=args.tool_cores, seed=args.seed, slacks=tuple(args.slacks),
                      engine_args=tuple(shlex.split(args.engine_args)) if args.engine_args else (),
                      progress=not args.no_progress and args.jobs == 1,
@@ -85,7 +111,9 @@ def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
             "gpu": args.gpu, "model": args.model, "policy": IDEAL_POLICY,
             **({"profile_sha256": args.profile_sha256} if args.profile else {}),
             "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
-            "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed}
+            "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed,
+            **({"host": args.host_model.as_dict()}
+               if getattr(args, "host_model", None) and args.host_model.active else {})}
 
 
 def simulate_ideal(args: argparse.Namespace, trace, out: Path) -> dict[str, float]:
@@ -151,6 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mars.workloads.trace import TraceError, dumps_trace, write_trace
 
     _gpu_model(args)
+    _host(args)
     try:
         extra = shlex.split(args.engine_args or "")
     except ValueError as e:
@@ -254,6 +283,10 @@ def register(sub) -> None:
     r.add_argument("--profile", metavar="FILE",
                    help="emulate a device profile from `mars emulate calibrate` (a measured "
                         "device and model, with its engine settings) instead of --gpu/--model")
+    r.add_argument("--host-from", metavar="RUN_DIR",
+                   help="model the served host as measured in this real run (a `mars replay` "
+                        "output with the engine's events.jsonl): the median time per round to "
+                        "the engine and back, and the tools' overrun (default: no host)")
     r.add_argument("--policies", type=_policies, default=["fcfs", "mars"], metavar="LIST",
                    help="comma-separated policies, or all (default fcfs,mars)")
     add_trace_arguments(r)

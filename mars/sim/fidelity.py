@@ -22,23 +22,90 @@ from typing import Any
 from mars.workloads.results import RunResult
 
 
-def engine_calls(events: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Seconds each request spent in the engine: ``gpu_submit`` (the scheduler took it) to
+def engine_spans(events: Iterable[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """When each request was in the engine: ``gpu_submit`` (the scheduler took it) to
     ``gpu_end``, by the engine's request id."""
     start: dict[str, float] = {}
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     for e in events:
         kind, rid = e.get("kind"), e.get("request_id")
         if kind == "gpu_submit":
             start[rid] = e["ts"]
         elif kind == "gpu_end" and rid in start:
-            out[rid] = e["ts"] - start.pop(rid)
+            out[rid] = (start.pop(rid), e["ts"])
     return out
 
 
+def engine_calls(events: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Seconds each request spent in the engine, by the engine's request id."""
+    return {rid: b - a for rid, (a, b) in engine_spans(events).items()}
+
+
 def engine_call_seconds(events: Iterable[dict[str, Any]]) -> float:
-    """The engine's own time over every call, summed (what ``mars sim`` models)."""
+    """The engine's own time over every call, summed (what ``mars sim`` models). Time two
+    calls share counts for both, so the sum also depends on how calls happened to overlap
+    (a long prefill landing in another call's decode is counted into both), which the
+    host's timing decides in a real run: see :func:`solo_calls`."""
     return sum(engine_calls(events).values())
+
+
+def engine_busy_seconds(events: Iterable[dict[str, Any]]) -> float:
+    """Seconds in which the engine had at least one call in hand (the union of the calls'
+    spans): time two calls share counts once."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(engine_spans(events).values()):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def round_spans(results: RunResult,
+                events: Iterable[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """Each round's engine span, keyed by (task, round index): the key a real run and a
+    simulated run of the same trace share (their request ids differ)."""
+    spans = by_client_id(engine_spans(events))
+    out: dict[tuple[str, int], tuple[float, float]] = {}
+    for task in results.tasks:
+        for i, r in enumerate(task.rounds):
+            sp = spans.get(r.request_id) if r.request_id else None
+            if sp is not None:
+                out[(task.task_id, i)] = sp
+    return out
+
+
+def _alone(spans: dict[Any, tuple[float, float]]) -> set:
+    """Keys whose span overlaps no other span."""
+    order = sorted(spans, key=lambda k: spans[k])
+    alone, reach = set(), float("-inf")  # reach: the latest end among earlier spans
+    for i, k in enumerate(order):
+        a, b = spans[k]
+        nxt = spans[order[i + 1]][0] if i + 1 < len(order) else float("inf")
+        if a >= reach and b <= nxt:
+            alone.add(k)
+        reach = max(reach, b)
+    return alone
+
+
+@dataclass(frozen=True, slots=True)
+class SoloCalls:
+    """The calls that had the engine to themselves in both runs, and their engine time."""
+
+    calls: int
+    seconds_a: float
+    seconds_b: float
+
+
+def solo_calls(a: tuple[RunResult, Iterable[dict[str, Any]]],
+               b: tuple[RunResult, Iterable[dict[str, Any]]]) -> SoloCalls:
+    """Engine time of the rounds that overlapped no other call in run ``a`` nor in run
+    ``b`` (each a results / events pair of the same trace), summed per run. Such a call's
+    time is its prefill and decode steps alone: what the step-time model and the engine's
+    handling of one call predict, with nothing left to the chance of overlaps."""
+    sa, sb = round_spans(*a), round_spans(*b)
+    both = sorted(_alone(sa) & _alone(sb))
+    return SoloCalls(len(both), sum(sa[k][1] - sa[k][0] for k in both),
+                     sum(sb[k][1] - sb[k][0] for k in both))
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +126,7 @@ class OutsideEngine:
         return self.gaps_s + self.tool_overrun_s
 
 
-def _by_client_id(calls: dict[str, float]) -> dict[str, float]:
+def by_client_id(calls: dict[str, Any]) -> dict[str, Any]:
     """``calls`` reachable by the client's request id too: the served API derives the
     engine's id from the client's by appending ``-<n>-<hex>``; the simulator's are equal."""
     out = dict(calls)
@@ -72,7 +139,7 @@ def outside_engine(results: RunResult,
                    events: Iterable[dict[str, Any]]) -> dict[str, OutsideEngine]:
     """Per task of ``results``, the part of its latency outside its engine calls and its
     tools' planned time, from the engine's ``events`` of the same run."""
-    calls = _by_client_id(engine_calls(events))
+    calls = by_client_id(engine_calls(events))
     out: dict[str, OutsideEngine] = {}
     for task in results.tasks:
         fe = over = 0.0

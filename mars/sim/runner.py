@@ -32,6 +32,7 @@ from mars.policy.registry import get_policy
 from mars.sidecar.admission_core import SessionState
 from mars.sim.clock import Timeline, VirtualClock
 from mars.sim.control import QueueFull, SimControl, sidecar_config
+from mars.sim.host import HostModel
 from mars.sim.tools import VirtualCores
 from mars.workloads.goodput import DEFAULT_SLACKS
 from mars.workloads.prompts import DEFAULT_TOKEN_RANGE, TokenSpace
@@ -65,6 +66,8 @@ class SimConfig:
     #: a device profile file (``mars emulate calibrate``): emulate it instead of the shipped
     #: GPU x model (``gpu`` and ``model`` then only label the results)
     profile: str | None = None
+    #: the served host's per-round delays and tool overrun (mars.sim.host; default none)
+    host: HostModel = HostModel()
 
     @property
     def emulate(self) -> str:
@@ -128,6 +131,8 @@ class Simulation:
         #: and no engine step, nothing but the sidecar can move (liveness)
         self._tools_running = 0
         self._arrivals_pending = 0
+        #: rounds on the modeled host's way to or from the engine (liveness, like tools)
+        self._in_host = 0
         self._on_task_end: Callable[[_TaskRun, float], None] = lambda tr, t: None
         self._t0 = SIM_EPOCH
         self._bar: Any = None
@@ -201,6 +206,7 @@ class Simulation:
             config={"token_range": list(cfg.token_range), "seed": cfg.seed, "salt": salt,
                     "tool_cores": [], "tool_workers": cfg.tool_cores, "tool_burn": "virtual",
                     "policy": cfg.policy, "engine_args": list(cfg.engine_args),
+                    **({"host_model": cfg.host.as_dict()} if cfg.host.active else {}),
                     "slacks": list(cfg.slacks)},
             run={"start_unix": t0, "end_unix": t1, "wall_s": t1 - t0, "interrupted": False,
                  "simulated": True, "sim_wall_s": round(time.monotonic() - wall0, 3),
@@ -236,7 +242,7 @@ class Simulation:
                     stalled_since = None
                     continue
                 # the engine holds requests but scheduled nothing: only time can help
-            if self._tools_running or self._arrivals_pending:
+            if self._tools_running or self._arrivals_pending or self._in_host:
                 stalled_since = None
             elif stalled_since is None:
                 stalled_since = now
@@ -321,22 +327,41 @@ class Simulation:
         self.control.emit("request_start", session_id=r.sid, ts=t, request_id=r.rid,
                           round=call.index)
         self._live[r.rid] = r
-        self.engine.add(r.rid, call.prompt, call.output_tokens, call.meta.to_extra_args())
+        delay = self.cfg.host.request_s
+        if delay > 0:
+            self._in_host += 1
+
+            def arrive(_: float, r: _TaskRun = r, call: RoundCall = call) -> None:
+                self._in_host -= 1
+                self.engine.add(r.rid, call.prompt, call.output_tokens,
+                                call.meta.to_extra_args())
+            self.timeline.at(t + delay, arrive)
+        else:
+            self.engine.add(r.rid, call.prompt, call.output_tokens, call.meta.to_extra_args())
 
     def _outputs(self, outs, now: float) -> None:
         live = self._live
+        back = self.cfg.host.response_s  # the client has a token this much later
         for o in outs:
             r = live.get(o.request_id)
             if r is None:
                 continue
             if r.first is None and o.new_token_ids:
-                r.first = now
+                r.first = now + back
             if o.cached_tokens is not None:
                 r.cached = o.cached_tokens
             r.generated.extend(o.new_token_ids)
             if o.finished:
                 del live[o.request_id]
-                self._round_done(r, now)
+                if back > 0:
+                    self._in_host += 1
+
+                    def received(t: float, r: _TaskRun = r) -> None:
+                        self._in_host -= 1
+                        self._round_done(r, t)
+                    self.timeline.at(now + back, received)
+                else:
+                    self._round_done(r, now)
 
     def _round_done(self, r: _TaskRun, now: float) -> None:
         call, t0 = r.call, self._t0
@@ -384,7 +409,9 @@ class Simulation:
                      call_id=call_id, status="ok", duration_s=t - run.start)
             self._submit(r, t)
 
-        run = self.cores.submit(now, rnd.tool_duration_s or 0.0, rnd.cpu_bound, started, ended)
+        # a busy host runs tools late (mars.sim.host); the planned duration is what is recorded
+        took = (rnd.tool_duration_s or 0.0) * (1.0 + self.cfg.host.tool_overrun)
+        run = self.cores.submit(now, took, rnd.cpu_bound, started, ended)
 
     def close(self) -> None:
         try:

@@ -82,9 +82,11 @@ class MeasuredEngine:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor.abstract import Executor
 
+        from mars.vllm_patches.scheduler import scheduled_batch
         from mars.vllm_patches.sim_engine import engine_args_for
 
         self._SP, self._ECR = SamplingParams, EngineCoreRequest
+        self._batch_of = scheduled_batch
         args = engine_args_for(None, "fcfs", extra_args)
         if getattr(args, "emulate", None):
             raise ValueError("calibration measures the real engine: no --emulate")
@@ -172,11 +174,8 @@ class MeasuredEngine:
             return None
         done = sum(1 for eco in outputs.values() for o in eco.outputs
                    if o.finish_reason is not None)
-        n = so.num_scheduled_tokens
-        batch = [(n[r.req_id], r.num_computed_tokens) for r in so.scheduled_new_reqs]
-        c = so.scheduled_cached_reqs
-        batch += [(n[rid], c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids)]
-        return Measured(tuple(batch), dt, done)
+        batch = tuple((n, ctx) for n, ctx in self._batch_of(so))
+        return Measured(batch, dt, done)
 
     #: steps in a row that compute nothing before the engine is declared stuck
     MAX_IDLE_STEPS = 1000

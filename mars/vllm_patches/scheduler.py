@@ -33,6 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from mars.emulate.pacing import active_stats
+from mars.emulate.step_log import StepLogWriter
 from mars.policy.base import SessionMeta
 from mars.policy.events import make_event
 from mars.policy.registry import get_policy, with_config
@@ -47,6 +48,16 @@ logger = logging.getLogger("mars.scheduler")
 #: key in vLLM's ``--additional-config`` under which ``mars-vllm serve`` passes our settings
 CONFIG_KEY = "mars"
 _RUNNING = RequestStatus.RUNNING
+
+
+def scheduled_batch(out) -> list[list[int]]:
+    """A ``SchedulerOutput``'s batch as the step-time model takes it: ``[new tokens, cached
+    context]`` for each scheduled request."""
+    n = out.num_scheduled_tokens
+    batch = [[n[r.req_id], r.num_computed_tokens] for r in out.scheduled_new_reqs]
+    c = out.scheduled_cached_reqs
+    batch += [[n[rid], c.num_computed_tokens[i]] for i, rid in enumerate(c.req_ids)]
+    return batch
 
 
 def mars_settings(vllm_config) -> dict[str, Any]:
@@ -116,6 +127,8 @@ class MarsSchedulerMixin:
         # the previous step, for the prefill-rate measurement: (time, tokens, requests)
         self._mars_last_step: tuple[float, int, int] | None = None
         self._mars_idle_published = False
+        #: ``--mars-step-log``: every step's batch and wall time (mars.emulate.step_log)
+        self._mars_step_log = StepLogWriter(cfg["step_log"]) if cfg.get("step_log") else None
         self.mars_publish_start()
         logger.info("mars scheduler %s active (policy=%s, %d KV blocks of %d tokens)",
                     type(self).__name__, self.mars_policy, total, self.block_size)
@@ -186,6 +199,9 @@ class MarsSchedulerMixin:
     def schedule(self, *args, **kwargs):
         now = self.mars_clock()
         self._mars_measure_step(now)
+        log = self._mars_step_log
+        if log is not None:
+            log.end(now)
         if self._mars_awaiting_first:
             self._mars_first_tokens(now)
         cosched = self.mars_cosched
@@ -206,6 +222,8 @@ class MarsSchedulerMixin:
         self.mars_counters["steps"] += 1
         out = super().schedule(*args, **kwargs)
         n_sched = len(out.num_scheduled_tokens)
+        if log is not None and n_sched:
+            log.begin(now, scheduled_batch(out))
         self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched) if n_sched \
             else None
         if now >= self._mars_next_snapshot or (not n_sched and not self._mars_idle_published):
@@ -323,6 +341,11 @@ class MarsSchedulerMixin:
             # is no step's duration
             self._mars_last_step = None
         now = self.mars_clock()
+        log = self._mars_step_log
+        if log is not None:
+            log.finished_one()
+            if idle:
+                log.end(now, idle=True)
         call = self.mars_calls.pop(rid, None)
         if call is not None and rid in self._mars_awaiting_first and request.num_output_tokens:
             self._mars_note_first_token(call, now)  # its first token was also its last
@@ -370,6 +393,8 @@ class MarsSchedulerMixin:
             self.mars_cosched.release_all("shutdown", now)
             self._mars_snapshot(now)
             self.mars_events.close()
+            if self._mars_step_log is not None:
+                self._mars_step_log.close()
         finally:
             super().shutdown()
 

@@ -54,6 +54,11 @@ def add_mars_args(parser: argparse.ArgumentParser) -> None:
                         "(default: an ipc socket derived from --port)")
     g.add_argument("--mars-events-file", default=None,
                    help="also append engine events to this JSONL file")
+    g.add_argument("--mars-step-log", default=None, metavar="FILE",
+                   help="append every engine step to this JSONL file: its batch (new tokens "
+                        "and cached context per request) and wall time, schedule() to "
+                        "schedule(); for checking a device profile against the served engine "
+                        "(mars.emulate.step_log)")
     g.add_argument("--mars-snapshot-interval", type=float, default=0.5,
                    help="seconds between KV block-pool snapshots (default: %(default)s)")
     g.add_argument("--no-sidecar", action="store_true",
@@ -176,6 +181,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         "events_endpoint": endpoint,
         "events_file": os.path.abspath(args.mars_events_file) if args.mars_events_file else None,
         "snapshot_interval_s": args.mars_snapshot_interval,
+        "step_log": os.path.abspath(args.mars_step_log) if args.mars_step_log else None,
         "policy_config": {k: v for k, v in (args.mars_config or {}).items()
                           if k in ("ordering", "retention")},
         **{k: v for k, v in (args.mars_config or {}).items()
