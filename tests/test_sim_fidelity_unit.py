@@ -95,19 +95,26 @@ def test_solo_calls_are_the_rounds_alone_in_both_runs():
 def test_host_model_is_read_off_a_run_and_checked():
     from mars.sim.host import HostModel, measure_host
 
-    t = TaskResult("t", 0.0, 2)
-    # round 0: sent at 0, engine 0.1-1.0, client done 1.2; its tool ran 3 s for 2 planned;
-    # round 1: sent at 4.0, engine 4.3-5.0, client done 5.0
-    t.rounds = [_round(0, "r0", 0.0, 1.2, tool=2.0, tool_run=3.0), _round(1, "r1", 4.0, 5.0)]
+    t = TaskResult("t", 0.0, 4)
+    # round 0 (waited 5 s for admission): sent at 0, engine 5.0-6.0, client done 6.2;
+    # round 1: sent 8.0, engine 8.1-9.0, done 9.1, its tool then ran 3 s for 2 planned;
+    # round 2: sent 12.0, engine 12.1-13.0, done 13.1; round 3: sent 14.0, engine 14.7-15.0,
+    # done 15.6 -- ways in 0.1, 0.1, 0.7 (mean 0.3, median 0.1), ways back 0.2, 0.1, 0.1, 0.6
+    t.rounds = [_round(0, "r0", 0.0, 6.2), _round(1, "r1", 8.0, 9.1, tool=2.0, tool_run=3.0),
+                _round(2, "r2", 12.0, 13.1), _round(3, "r3", 14.0, 15.6)]
     run = _run([t])
     run.run["start_unix"] = 100.0
-    ev = [_ev("gpu_submit", "r0", 100.1), _ev("gpu_end", "r0", 101.0),
-          _ev("gpu_submit", "r1", 104.3), _ev("gpu_end", "r1", 105.0)]
+    ev = [_ev("gpu_submit", "r0", 105.0), _ev("gpu_end", "r0", 106.0),
+          _ev("gpu_submit", "r1", 108.1), _ev("gpu_end", "r1", 109.0),
+          _ev("gpu_submit", "r2", 112.1), _ev("gpu_end", "r2", 113.0),
+          _ev("gpu_submit", "r3", 114.7), _ev("gpu_end", "r3", 115.0)]
     h = measure_host(run, ev)
-    assert h.request_s == pytest.approx(0.2) and h.response_s == pytest.approx(0.1)
+    # means (a task's latency sums them), the first round's admission wait left out
+    assert h.request_s == pytest.approx(0.3) and h.response_s == pytest.approx(0.25)
     assert h.tool_overrun == pytest.approx(0.5) and h.active
     assert not HostModel().active
-    for bad in ({"request_s": -1.0}, {"response_s": math.nan}, {"tool_overrun": math.inf}):
+    for bad in ({"request_s": -1.0}, {"response_s": math.nan}, {"tool_overrun": math.inf},
+                {"request_s": True}):
         with pytest.raises(ValueError, match="host model"):
             HostModel(**bad)
     with pytest.raises(ValueError, match="no round"):

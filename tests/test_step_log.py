@@ -14,28 +14,47 @@ from mars.emulate.step_log import StepLogWriter, read_step_log, speed_factor, st
 from mars.emulate.step_time import StepCoefficients, StepTimeModel
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def test_steps_are_logged_schedule_to_schedule_and_flushed_when_idle(tmp_path):
     path = tmp_path / "steps.jsonl"
-    log = StepLogWriter(path, flush_every=100)
-    log.begin(10.0, [[2048, 0]])
-    log.begin(10.5, [[1, 2048], [512, 0]])  # the next step ends the one before
+    clock = _Clock()
+    log = StepLogWriter(path, flush_every=100, clock=clock)
+    clock.t = 10.0
+    log.end()  # schedule() begins (monotonic clock 10.0)
+    clock.t = 10.001
+    log.begin(1000.0, [[2048, 0]])  # ... and scheduled this batch
+    clock.t = 10.5
+    log.end()  # the next schedule() begins: the first step took 0.5 s
+    log.begin(1000.5, [[1, 2048], [512, 0]])
     log.finished_one()
-    log.end(10.6, idle=True)  # the engine went idle: written out now
-    log.end(11.0)  # nothing open: nothing logged
+    clock.t = 10.6
+    log.end(idle=True)  # the engine went idle after its bookkeeping: written out now
+    clock.t = 11.0
+    log.end()  # nothing open: nothing logged
     steps = read_step_log(path)
     assert [s.batch for s in steps] == [((2048, 0),), ((1, 2048), (512, 0))]
     assert [s.seconds for s in steps] == [pytest.approx(0.5), pytest.approx(0.1)]
     assert [s.finished for s in steps] == [0, 1]
     assert [s.kind for s in steps] == ["prefill", "mixed"]
-    log.begin(12.0, [[1, 10]])
+    log.begin(1002.0, [[1, 10]])
     log.close()  # an open step at shutdown has no end: not logged
     assert len(read_step_log(path)) == 2
 
 
 def test_buffer_is_written_when_full(tmp_path):
     path = tmp_path / "steps.jsonl"
-    log = StepLogWriter(path, flush_every=3)
-    for i in range(4):
+    clock = _Clock()
+    log = StepLogWriter(path, flush_every=3, clock=clock)
+    for i in range(5):
+        clock.t = float(i)
+        log.end()
         log.begin(float(i), [[1, 100]])
     assert len(read_step_log(path)) == 3  # three closed steps, written without going idle
     log.close()

@@ -10,5 +10,7 @@ what runs. Outputs are ``mars replay``'s ``results.json`` and ``events.jsonl``.
 * :mod:`mars.sim.clock` -- the timeline: a virtual clock and timed callbacks;
 * :mod:`mars.sim.tools` -- tools queueing for ``N`` cores;
 * :mod:`mars.sim.control` -- the admission core's shell in virtual time (the sidecar's job);
-* :mod:`mars.sim.runner` -- the agents: tasks, rounds, prompts, tools, results.
+* :mod:`mars.sim.runner` -- the agents: tasks, rounds, prompts, tools, results;
+* :mod:`mars.sim.host` -- the served host's per-round delays, measured off a real run;
+* :mod:`mars.sim.fidelity` -- what a run's latency is made of, for comparing with a real one.
 """

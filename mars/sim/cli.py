@@ -285,7 +285,7 @@ def register(sub) -> None:
                         "device and model, with its engine settings) instead of --gpu/--model")
     r.add_argument("--host-from", metavar="RUN_DIR",
                    help="model the served host as measured in this real run (a `mars replay` "
-                        "output with the engine's events.jsonl): the median time per round to "
+                        "output with the engine's events.jsonl): the mean time per round to "
                         "the engine and back, and the tools' overrun (default: no host)")
     r.add_argument("--policies", type=_policies, default=["fcfs", "mars"], metavar="LIST",
                    help="comma-separated policies, or all (default fcfs,mars)")

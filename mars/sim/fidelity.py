@@ -10,7 +10,8 @@ the client's timestamps of each round (``results.json``) and the engine's of the
 much of the rest is the host. The same measure applies to a simulated run, where the part of
 a round outside its engine call is only the wait for the step in progress to end (a request
 joins the scheduler between steps, in both): subtracting it on both sides keeps the
-comparison symmetric. Nothing here reads wall time or imports vLLM.
+comparison symmetric (with a host model, :mod:`mars.sim.host`, the simulated rounds carry its
+delays too). Nothing here reads wall time or imports vLLM.
 """
 
 from __future__ import annotations

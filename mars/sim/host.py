@@ -13,10 +13,12 @@ summed 20 % more engine time than the real run; docs/sim.md, "CPU fidelity").
 (its ``results.json`` and the engine's ``events.jsonl``): means over rounds, since a task's
 latency sums them (on a 2-core host they have a long tail: a median of 10 ms to the engine
 and 7 ms back, means of 70 and 66 ms, the longest 0.9 s, when the API server waited for a
-core). The part of the way in that is the wait for the engine's step in progress, which the
-simulator models itself, is a few milliseconds of it. Zero is the default: a GPU
-server's host work per round is small next to its engine time, and nothing is assumed.
-Framework-free.
+core). Two things the constants cannot be: a spread (the real host's tail spreads calls
+apart more than a constant does), and free of the wait for the engine's step in progress,
+which the way in includes and the simulator adds again (not measured separately; at most
+one step). Zero is the default: a GPU server's host work per round is small next to its
+engine time, and nothing is assumed. The isolated (ideal) runs get the same constants,
+measured under load. Framework-free.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mars.sim.fidelity import engine_spans, by_client_id
+from mars.sim.fidelity import by_client_id, engine_spans
 from mars.workloads.results import RunResult
 
 
 @dataclass(frozen=True)
 class HostModel:
+    """What the served host adds to each round, as constants (seconds, and a fraction)."""
+
     #: seconds from the client sending a round (after the sidecar admitted it) to the engine
     #: taking it
     request_s: float = 0.0
@@ -43,7 +47,8 @@ class HostModel:
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
+                                           and v >= 0):
                 raise ValueError(f"host model: {k} must be a finite number >= 0, got {v!r}")
 
     @property
@@ -55,25 +60,27 @@ class HostModel:
 
 
 def measure_host(results: RunResult, events: Iterable[dict[str, Any]]) -> HostModel:
-    """The host of a real served run, per round: median time from submission to the engine
-    taking the call (``gpu_submit``; a round the sidecar held for admission counts its wait
-    too, which the median leaves out while most rounds are not held), median time from ``gpu_end`` to the client's end, and the tools' measured over planned
-    time, summed."""
+    """The host of a real served run, per round: the mean time from the client sending a round
+    to the engine taking it (``gpu_submit``), over rounds after a task's first (a session's
+    first round may wait for the sidecar's admission, which the simulator models itself;
+    later rounds of an admitted session are forwarded at once), the mean time from
+    ``gpu_end`` to the client's end, and the tools' measured over planned time, summed."""
     spans = by_client_id(engine_spans(events))
     t0 = float(results.run["start_unix"])  # round times are relative to it, events absolute
-    into, back = [], []
+    into, first_into, back = [], [], []
     planned = ran = 0.0
     for task in results.tasks:
-        for r in task.rounds:
+        for i, r in enumerate(task.rounds):
             sp = spans.get(r.request_id) if r.request_id else None
             if sp is not None:
-                into.append(sp[0] - t0 - r.submit_s)
+                (into if i else first_into).append(sp[0] - t0 - r.submit_s)
                 back.append(r.end_s - (sp[1] - t0))
             if r.tool_duration_s and r.tool_start_s is not None and r.tool_end_s is not None:
                 planned += r.tool_duration_s
                 ran += r.tool_end_s - r.tool_start_s
-    if not into:
+    if not back:
         raise ValueError("no round of the run was found in its engine events")
+    into = into or first_into  # tasks of one round each: nothing else to go by
     return HostModel(request_s=max(0.0, statistics.fmean(into)),
                      response_s=max(0.0, statistics.fmean(back)),
                      tool_overrun=max(0.0, ran / planned - 1) if planned > 0 else 0.0)

@@ -128,7 +128,16 @@ class MarsSchedulerMixin:
         self._mars_last_step: tuple[float, int, int] | None = None
         self._mars_idle_published = False
         #: ``--mars-step-log``: every step's batch and wall time (mars.emulate.step_log)
-        self._mars_step_log = StepLogWriter(cfg["step_log"]) if cfg.get("step_log") else None
+        self._mars_step_log = None
+        if cfg.get("step_log"):
+            if isinstance(self, AsyncScheduler):
+                # vLLM's batch queue schedules step k+1 before step k's output is in: a step
+                # would be timed with its neighbour's batch
+                logger.warning("--mars-step-log needs synchronous scheduling (no async "
+                               "scheduling): no step log is written")
+            else:
+                self._mars_step_log = StepLogWriter(cfg["step_log"])
+        self._mars_updating = False
         self.mars_publish_start()
         logger.info("mars scheduler %s active (policy=%s, %d KV blocks of %d tokens)",
                     type(self).__name__, self.mars_policy, total, self.block_size)
@@ -201,7 +210,7 @@ class MarsSchedulerMixin:
         self._mars_measure_step(now)
         log = self._mars_step_log
         if log is not None:
-            log.end(now)
+            log.end()
         if self._mars_awaiting_first:
             self._mars_first_tokens(now)
         cosched = self.mars_cosched
@@ -344,8 +353,8 @@ class MarsSchedulerMixin:
         log = self._mars_step_log
         if log is not None:
             log.finished_one()
-            if idle:
-                log.end(now, idle=True)
+            if idle and not self._mars_updating:
+                log.end(idle=True)  # the last request aborted between steps
         call = self.mars_calls.pop(rid, None)
         if call is not None and rid in self._mars_awaiting_first and request.num_output_tokens:
             self._mars_note_first_token(call, now)  # its first token was also its last
@@ -367,6 +376,19 @@ class MarsSchedulerMixin:
             self._mars_snapshot(now, idle=True)
             self._mars_idle_published = True
         return result
+
+    def update_from_output(self, *args, **kwargs):
+        log = self._mars_step_log
+        if log is None:
+            return super().update_from_output(*args, **kwargs)
+        self._mars_updating = True
+        try:
+            out = super().update_from_output(*args, **kwargs)
+        finally:
+            self._mars_updating = False
+        if not self.requests:
+            log.end(idle=True)  # EngineCore stops stepping: the step ends with its bookkeeping
+        return out
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         blocks = self.mars_cosched.blocks_of(request.request_id)
