@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from mars.policy.slowdown import ToolSlowdown
+
 
 @dataclass(slots=True)
 class PressureConfig:
@@ -43,14 +45,19 @@ class PressureConfig:
     #: EMA weight of a new tool duration in the overall and per-tool-type duration averages
     #: (0.2 ~ the last 5-10 calls dominate: follows shifts in the tool mix within a minute).
     tool_ema_alpha: float = 0.2
-    #: EMA weight of the slow per-tool-type *baseline* duration the slowdown is measured
-    #: against (0.02 ~ the last 50 calls): slow enough that contention shows up as a ratio
-    #: above 1 before the baseline absorbs it.
+    #: EMA weight of the slow per-tool-type *baseline* (mean and variance of log duration)
+    #: the slowdown is measured against (0.02 ~ the last 50 calls): slow enough that
+    #: contention shows up as a shift before the baseline absorbs it.
     tool_baseline_alpha: float = 0.02
-    #: EMA weight of the slowdown ratio (observed / baseline) itself.
+    #: EMA weight of the slowdown (the shift of log duration from the type's baseline).
     slowdown_ema_alpha: float = 0.2
-    #: Calls of a tool type needed before its baseline is trusted for the slowdown ratio.
-    slowdown_min_samples: int = 3
+    #: Calls of a tool type needed before its baseline (a mean and a variance) is trusted.
+    slowdown_min_samples: int = 10
+    #: A slowdown counts only when its average shift exceeds this many standard errors of
+    #: the average, from the tool types' own variance (mars.policy.slowdown): below, 1.
+    #: At 4 the tools' own variance alone raises it about once in 30,000 calls (3: once in
+    #: 1,000, a false overload every run of 100 ILR-1 tasks).
+    slowdown_significance: float = 4.0
     #: Tool types whose baseline duration is below this (seconds) give no slowdown samples:
     #: at that scale the host's scheduling jitter and the event path, not CPU contention,
     #: set the ratio (a 1 ms tool that takes 3 ms is not a 3x overloaded CPU).
@@ -77,6 +84,10 @@ class PressureConfig:
             a = getattr(self, name)
             if not 0.0 < a <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1]")
+        if not (self.slowdown_min_samples >= 2 and self.slowdown_significance >= 0
+                and math.isfinite(self.slowdown_significance)):
+            raise ValueError("slowdown_min_samples must be >= 2 (a variance) and "
+                             "slowdown_significance a finite number >= 0")
         if not 0.0 <= self.pinned_reclaimable <= 1.0:
             raise ValueError("pinned_reclaimable must be in [0, 1]")
         if self.preempt_window_s <= 0:
@@ -178,8 +189,9 @@ class DualPressureState:
         self.tool_starts_total = 0
         self.tool_duration = Ema(c.tool_ema_alpha)
         self.tool_duration_by_type: dict[str, Ema] = {}
-        self._tool_baseline: dict[str, Ema] = {}
-        self._slowdown = Ema(c.slowdown_ema_alpha)
+        self._slowdown = ToolSlowdown(c.tool_baseline_alpha, c.slowdown_ema_alpha,
+                                      c.slowdown_min_samples, c.slowdown_min_duration_s,
+                                      c.slowdown_significance)
         self.ignored_events = 0
         self._last_ts: float | None = None
 
@@ -292,11 +304,7 @@ class DualPressureState:
         c = self.config
         self.tool_duration.update(duration)
         self.tool_duration_by_type.setdefault(tool, Ema(c.tool_ema_alpha)).update(duration)
-        base = self._tool_baseline.setdefault(tool, Ema(c.tool_baseline_alpha))
-        if (base.count >= c.slowdown_min_samples and base.value
-                and base.value >= c.slowdown_min_duration_s):
-            self._slowdown.update(duration / base.value)
-        base.update(duration)
+        self._slowdown.observe(tool, duration)
 
     def _on_tool_num(self, ev: Any, ts: float) -> None:
         active = int(_get(ev, "active"))

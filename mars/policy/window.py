@@ -124,9 +124,9 @@ class AIMDConfig:
     # --- CPU cap -------------------------------------------------------------------------
     #: Target tool concurrency as a multiple of tool_cores (1.0 = one tool per core).
     cpu_target_load: float = 1.0
-    #: Time constant (seconds) of the exponentially weighted tool-call rate per session.
+    #: Time constant (seconds) of the time-averaged tool share (running tools per session).
     cpu_rate_tau_s: float = 60.0
-    #: Admitted session-seconds needed before the rate estimate is trusted.
+    #: Admitted session-seconds needed before the share is trusted.
     cpu_rate_min_session_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -274,37 +274,38 @@ class WindowDecision:
 
 
 @dataclass(slots=True)
-class _RateEstimator:
-    """Exponentially weighted tool calls per admitted session-second (time-decayed sums)."""
+class _ToolShare:
+    """Running CPU-bound tools per admitted session, time-averaged over ``tau_s`` (decayed
+    integrals of both): Little's law's share measured directly. It replaced the tool-call
+    rate times an EMA of the last few calls' durations, whose product swung with every long
+    call (tool durations are heavy-tailed: one 100 s call in a type whose median is 1 s moved
+    the duration EMA by 20 s and the cap with it) and mixed two time constants."""
 
     tau_s: float
-    starts_w: float = 0.0
+    tools_w: float = 0.0
     session_s_w: float = 0.0
     last_t: float | None = None
-    last_starts: int = 0
+    last_tools: int = 0
     last_in_use: int = 0
 
-    def update(self, starts_total: int, in_use: int, now: float) -> None:
-        if self.last_t is None or starts_total < self.last_starts:
-            self.last_t, self.last_starts, self.last_in_use = now, starts_total, in_use
-            return
-        dt = now - self.last_t
-        if dt <= 0:
-            self.last_in_use = in_use
-            return
-        decay = math.exp(-dt / self.tau_s)
-        self.starts_w = self.starts_w * decay + (starts_total - self.last_starts)
-        # in_use held during the interval is the one seen at its start.
-        self.session_s_w = self.session_s_w * decay + self.last_in_use * dt
-        self.last_t, self.last_starts, self.last_in_use = now, starts_total, in_use
+    def update(self, active_tools: int, in_use: int, now: float) -> None:
+        if self.last_t is not None and now > self.last_t:
+            dt = now - self.last_t
+            decay = math.exp(-dt / self.tau_s)
+            # what held during the interval is what was seen at its start
+            self.tools_w = self.tools_w * decay + self.last_tools * dt
+            self.session_s_w = self.session_s_w * decay + self.last_in_use * dt
+        if self.last_t is None or now >= self.last_t:
+            self.last_t = now
+        self.last_tools, self.last_in_use = max(0, active_tools), max(0, in_use)
 
-    def rate(self, min_session_s: float) -> float | None:
+    def share(self, min_session_s: float) -> float | None:
         # The decayed weight saturates at in_use * tau, so compare against the smaller of the
         # warm-up requirement and what one session can ever accumulate.
         need = min(min_session_s, 0.9 * self.tau_s)
         if self.session_s_w < need or self.session_s_w <= 0:
             return None
-        return self.starts_w / self.session_s_w
+        return self.tools_w / self.session_s_w
 
 
 class WindowController:
@@ -327,7 +328,7 @@ class WindowController:
         self._last_eval: float | None = None
         self._last_decrease: float = -math.inf
         self._footprint: float | None = None
-        self._rate = _RateEstimator(c.cpu_rate_tau_s)
+        self._share = _ToolShare(c.cpu_rate_tau_s)
         self._last: WindowDecision | None = None
 
     @property
@@ -351,11 +352,8 @@ class WindowController:
                            c.kv_cap_exponent)
 
     def tools_per_session(self, sig: PressureSignals) -> float | None:
-        """Little's-law tool share: tool-call rate per session x EMA tool duration."""
-        rate = self._rate.rate(self.config.cpu_rate_min_session_s)
-        if rate is None or sig.tool_duration_ema is None:
-            return None
-        return rate * sig.tool_duration_ema
+        """Little's-law tool share: running tools per admitted session, time-averaged."""
+        return self._share.share(self.config.cpu_rate_min_session_s)
 
     def cpu_cap(self, sig: PressureSignals, in_use: int) -> float:
         c = self.config
@@ -369,7 +367,7 @@ class WindowController:
         c = self.config
         sig = state if isinstance(state, PressureSignals) else state.signals(now)
         in_use = max(0, int(in_use))
-        self._rate.update(sig.tool_starts_total, in_use, now)
+        self._share.update(sig.active_tools, in_use, now)
         kv_cap = self.kv_cap(sig, in_use)
         cpu_cap = self.cpu_cap(sig, in_use)
 
