@@ -122,8 +122,12 @@ class AIMDConfig:
     kv_footprint_alpha: float = 0.3
 
     # --- CPU cap -------------------------------------------------------------------------
-    #: Target tool concurrency as a multiple of tool_cores (1.0 = one tool per core).
-    cpu_target_load: float = 1.0
+    #: Expected tool concurrency, as a multiple of tool_cores, at which the CPU cap binds.
+    #: None: the ``cpu`` band's enter threshold -- the cap binds at the load the AIMD calls
+    #: overload. At 1.0 (one tool per core) the cap held expected demand at exactly the cores,
+    #: and since a session's tools come and go at random, cores then idled while sessions
+    #: waited outside (docs/control_plane.md, "CPU cap").
+    cpu_target_load: float | None = None
     #: Time constant (seconds) of the time-averaged tool share (running tools per session).
     cpu_rate_tau_s: float = 60.0
     #: Admitted session-seconds needed before the share is trusted.
@@ -151,7 +155,8 @@ class AIMDConfig:
             raise ValueError(f"overload band ({', '.join(_BANDS)}): {exc}") from None
         if not 0.0 <= self.kv_knee < 1.0 or self.kv_cap_exponent <= 0:
             raise ValueError("kv_knee must be in [0, 1) and kv_cap_exponent > 0")
-        if self.cpu_target_load <= 0 or self.cpu_rate_tau_s <= 0:
+        if (self.cpu_target_load is not None and not self.cpu_target_load > 0) \
+                or self.cpu_rate_tau_s <= 0:
             raise ValueError("cpu_target_load and cpu_rate_tau_s must be > 0")
 
 
@@ -355,9 +360,14 @@ class WindowController:
         """Little's-law tool share: running tools per admitted session, time-averaged."""
         return self._share.share(self.config.cpu_rate_min_session_s)
 
+    @property
+    def cpu_target_load(self) -> float:
+        c = self.config
+        return c.cpu.enter if c.cpu_target_load is None else c.cpu_target_load
+
     def cpu_cap(self, sig: PressureSignals, in_use: int) -> float:
         c = self.config
-        return cpu_little_cap(sig.tool_cores, c.cpu_target_load, self.tools_per_session(sig),
+        return cpu_little_cap(sig.tool_cores, self.cpu_target_load, self.tools_per_session(sig),
                               c.min_window, c.max_window, sig.active_tools, in_use)
 
     # ------------------------------------------------------------------ UpdateWindow
