@@ -169,8 +169,7 @@ def _tools(st, ctl, in_use: int, t0: int, t1: int, duration: float, long_every: 
 
 
 def test_cpu_cap_follows_littles_law_from_the_running_tools():
-    cfg = AIMDConfig(max_window=64, cpu_rate_tau_s=60, cpu_rate_min_session_s=30,
-                     cpu_target_load=1.0)
+    cfg = AIMDConfig(max_window=64, cpu_rate_tau_s=60, cpu_rate_min_session_s=30)
     ctl = WindowController(cfg)
     st = DualPressureState(PressureConfig(tool_cores=8))
     # 1 start/s of 4 s each: 4 tools running on average, 0.4 per session of 10
@@ -185,10 +184,9 @@ def test_cpu_cap_follows_littles_law_from_the_running_tools():
 
 def test_one_long_tool_moves_the_cpu_cap_by_its_share_only():
     """A 100 s call in a stream of 4 s calls adds its core-seconds as they pass, not its
-    duration at once (the rate x duration-EMA estimate it replaced jumped by 20 s x rate on
-    the call's end and cut the cap by half for the next calls)."""
-    cfg = AIMDConfig(max_window=64, cpu_rate_tau_s=60, cpu_rate_min_session_s=30,
-                     cpu_target_load=1.0)
+    duration at once (the rate x duration-EMA estimate it replaced jumped by ~20 s x rate on
+    the call's end and cut the cap to a quarter, 4.9 sessions, for the next calls)."""
+    cfg = AIMDConfig(max_window=64, cpu_rate_tau_s=60, cpu_rate_min_session_s=30)
     ctl = WindowController(cfg)
     st = DualPressureState(PressureConfig(tool_cores=8))
     caps, running = [], []
@@ -435,14 +433,3 @@ def test_slowdown_counts_as_overload_only_while_tools_fill_the_cores():
 
     assert run(1) == "hold"  # one tool on eight cores: no contention to speak of
     assert run(8) == "decrease"  # the cores are full and tools run slower: contention
-
-
-def test_the_cpu_cap_binds_where_the_cpu_band_calls_overload_by_default():
-    """One definition of CPU overload: by default the cap lets expected tool demand reach
-    the cpu band's enter threshold (tools per core), not exactly the cores."""
-    assert WindowController(AIMDConfig()).cpu_target_load == AIMDConfig().cpu.enter == 1.25
-    cfg = AIMDConfig(cpu={"enter": 1.5, "leave": 1.0, "persist_s": 5.0})
-    assert WindowController(cfg).cpu_target_load == 1.5
-    assert WindowController(AIMDConfig(cpu_target_load=0.8)).cpu_target_load == 0.8
-    with pytest.raises(ValueError, match="cpu_target_load"):
-        AIMDConfig(cpu_target_load=0.0)

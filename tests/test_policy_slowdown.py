@@ -69,3 +69,19 @@ def test_unknown_until_sampled_and_short_tools_ignored():
     assert sd.value is None  # the baseline needs min_samples first
     sd.observe("make", 3.0)
     assert sd.value == 1.0 and sd.samples == 1
+
+
+def test_a_rare_heavy_tool_among_narrow_ones_is_not_a_slowdown():
+    """The standard error carries each sample's own type variance: one call of a type that
+    varies a hundredfold, after a run of narrow calls, is weighed by its type's spread, not by
+    the narrow ones' (a pooled variance x sum of squared weights gave 0.35 where the error is
+    0.47, and a 3.3-sigma call of the heavy type -- one in ~2,000 -- crossed 4 "errors")."""
+    rng = random.Random(2)
+    sd = ToolSlowdown()
+    for _ in range(200):
+        sd.observe("heavy", _lognormal(rng, 1.0, 2.3))
+    for _ in range(60):
+        sd.observe("narrow", _lognormal(rng, 5.0, 0.3))
+    heavy = sd._types["heavy"]
+    sd.observe("heavy", math.exp(heavy.mean + 3.3 * math.sqrt(heavy.var)))
+    assert sd.value == 1.0

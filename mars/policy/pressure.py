@@ -261,7 +261,7 @@ class DualPressureState:
             key = f"anon:{self._anon_seq}"
         calls[key] = ts
         if _get(ev, "cpu_bound", True) is not False:
-            # the CPU cap's tool-call rate counts calls that want a core
+            # calls that want a core (a count for metrics; the CPU cap reads running tools)
             self.tool_starts_total += 1
         else:
             # a tool that waits (network, sleep) occupies no core: tracked for the session's

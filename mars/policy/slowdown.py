@@ -13,8 +13,11 @@ in one run of 100 ILR-1 tasks at half the saturation rate (docs/control_plane.md
 
 So the estimate works in logarithms (a slowdown multiplies durations: it shifts their log),
 against each type's own mean and variance of log duration, and reports the average shift only
-when it exceeds ``significance`` standard errors of that average (4: variance alone gets
-there about once in 30,000 calls, measured on log-normal durations); below, the slowdown is 1.
+when it exceeds ``significance`` standard errors of that average (4: for a normal average
+with known variance about once in 30,000 calls; the types' baselines are estimated, so more
+often while a type has few calls -- ``min_samples``); below, the slowdown is 1. (It jumps
+between 1 and the average: a heavy call that widens the error can release the band's latch
+mid-contention; a lower confidence bound would be smoother and much less sensitive.)
 A type with a narrow distribution (a build, a test suite) reveals a 2x slowdown within a few
 calls; a type that varies a hundredfold cannot, and then only the count of running tools
 (``cpu_load``) speaks for contention. Framework-free; time-free (driven by tool ends).
@@ -58,11 +61,11 @@ class ToolSlowdown:
         self.min_samples, self.min_duration_s = min_samples, min_duration_s
         self.significance = significance
         self._types: dict[str, _TypeStats] = {}
-        #: EMA of the log shifts, of their variances, and the sum of the squared EMA weights
-        #: (the EMA's variance = the samples' variance x that sum)
+        #: EMA of the log shifts, and its variance with no slowdown: the sum over samples of
+        #: (EMA weight)^2 x (that sample's type variance) -- types differ, so each sample
+        #: carries its own
         self._shift: float | None = None
-        self._spread2 = 0.0
-        self._w2 = 0.0
+        self._var = 0.0
         self.samples = 0
 
     def observe(self, tool: str, duration_s: float) -> None:
@@ -75,11 +78,10 @@ class ToolSlowdown:
             a = self.ema_alpha
             shift, spread2 = x - st.mean, max(st.var, _MIN_SPREAD ** 2)
             if self._shift is None:
-                self._shift, self._spread2, self._w2 = shift, spread2, 1.0
+                self._shift, self._var = shift, spread2
             else:
                 self._shift += a * (shift - self._shift)
-                self._spread2 += a * (spread2 - self._spread2)
-                self._w2 = (1 - a) ** 2 * self._w2 + a * a
+                self._var = (1 - a) ** 2 * self._var + a * a * spread2
             self.samples += 1
         st.update(x, self.baseline_alpha)
 
@@ -88,7 +90,7 @@ class ToolSlowdown:
         """Standard deviation of the averaged shift with no slowdown (log units)."""
         if self._shift is None:
             return None
-        return math.sqrt(self._spread2 * self._w2)
+        return math.sqrt(self._var)
 
     @property
     def value(self) -> float | None:

@@ -30,8 +30,8 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
 * **Soft KV cap.** KV utilisation becomes a cap that tightens smoothly from the knee to full
   (:func:`kv_soft_cap`), so admission slows before memory runs out instead of flipping between
   admit and stop at a threshold.
-* **CPU cap from Little's law.** Tool concurrency = admitted sessions x tool-call rate per
-  session x mean tool duration; the cap is the session count that keeps that at
+* **CPU cap from Little's law.** Tool concurrency = admitted sessions x the running tools per
+  session (time-averaged); the cap is the session count that keeps that at
   ``tool_cores * cpu_target_load`` (:func:`cpu_little_cap`), plus a backlog guard when tools
   already exceed the cores.
 
@@ -108,7 +108,8 @@ class AIMDConfig:
     engine_queue: OverloadBand = field(default_factory=lambda: OverloadBand(1.0, 0.25, 2.0))
     #: CPU load (active tools / tool cores); persistent contention only (paper §4.1).
     cpu: OverloadBand = field(default_factory=lambda: OverloadBand(1.25, 0.9, 5.0))
-    #: Tool slowdown (observed / baseline duration); already an EMA.
+    #: Tool slowdown (mars.policy.slowdown: 1 unless tools run significantly slower than
+    #: their type's baseline).
     slowdown: OverloadBand = field(default_factory=lambda: OverloadBand(2.0, 1.3, 0.0))
 
     # --- KV soft cap ---------------------------------------------------------------------
@@ -122,12 +123,8 @@ class AIMDConfig:
     kv_footprint_alpha: float = 0.3
 
     # --- CPU cap -------------------------------------------------------------------------
-    #: Expected tool concurrency, as a multiple of tool_cores, at which the CPU cap binds.
-    #: None: the ``cpu`` band's enter threshold -- the cap binds at the load the AIMD calls
-    #: overload. At 1.0 (one tool per core) the cap held expected demand at exactly the cores,
-    #: and since a session's tools come and go at random, cores then idled while sessions
-    #: waited outside (docs/control_plane.md, "CPU cap").
-    cpu_target_load: float | None = None
+    #: Target tool concurrency as a multiple of tool_cores (1.0 = one tool per core).
+    cpu_target_load: float = 1.0
     #: Time constant (seconds) of the time-averaged tool share (running tools per session).
     cpu_rate_tau_s: float = 60.0
     #: Admitted session-seconds needed before the share is trusted.
@@ -155,8 +152,7 @@ class AIMDConfig:
             raise ValueError(f"overload band ({', '.join(_BANDS)}): {exc}") from None
         if not 0.0 <= self.kv_knee < 1.0 or self.kv_cap_exponent <= 0:
             raise ValueError("kv_knee must be in [0, 1) and kv_cap_exponent > 0")
-        if (self.cpu_target_load is not None and not self.cpu_target_load > 0) \
-                or self.cpu_rate_tau_s <= 0:
+        if self.cpu_target_load <= 0 or self.cpu_rate_tau_s <= 0:
             raise ValueError("cpu_target_load and cpu_rate_tau_s must be > 0")
 
 
@@ -183,8 +179,8 @@ def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: flo
     """Session cap that keeps expected tool concurrency at ``tool_cores * target_load``.
 
     Little's law: concurrent tools = admitted sessions x ``tools_per_session`` (the tool-call
-    rate per session times the mean tool duration, i.e. the share of its time a session spends
-    in tools). The cap is ``capacity / tools_per_session``. Backlog guard: when the tools
+    rate per session times the mean tool duration, i.e. the running tools per session, which
+    the controller measures directly). The cap is ``capacity / tools_per_session``. Backlog guard: when the tools
     already running exceed the capacity, the cap is also at most
     ``in_use * capacity / active_tools`` (< in_use), so no session is admitted until the
     backlog drains, however optimistic the long-run estimate is. Unknown share -> ceiling.
@@ -360,14 +356,9 @@ class WindowController:
         """Little's-law tool share: running tools per admitted session, time-averaged."""
         return self._share.share(self.config.cpu_rate_min_session_s)
 
-    @property
-    def cpu_target_load(self) -> float:
-        c = self.config
-        return c.cpu.enter if c.cpu_target_load is None else c.cpu_target_load
-
     def cpu_cap(self, sig: PressureSignals, in_use: int) -> float:
         c = self.config
-        return cpu_little_cap(sig.tool_cores, self.cpu_target_load, self.tools_per_session(sig),
+        return cpu_little_cap(sig.tool_cores, c.cpu_target_load, self.tools_per_session(sig),
                               c.min_window, c.max_window, sig.active_tools, in_use)
 
     # ------------------------------------------------------------------ UpdateWindow
