@@ -71,6 +71,12 @@ def test_busy_time_counts_shared_time_once():
     assert engine_busy_seconds([]) == 0.0
 
 
+def _spans(*calls: tuple[str, float, float]) -> list[dict]:
+    """Engine events of calls ``(request id, submitted, ended)``, in time order."""
+    ev = [_ev(k, rid, ts) for rid, a, b in calls for k, ts in (("gpu_submit", a), ("gpu_end", b))]
+    return sorted(ev, key=lambda e: e["ts"])
+
+
 def test_solo_calls_are_the_rounds_alone_in_both_runs():
     from mars.sim.fidelity import solo_calls
 
@@ -79,14 +85,12 @@ def test_solo_calls_are_the_rounds_alone_in_both_runs():
     ta.rounds = [_round(0, "a0", 0.0, 2.0), _round(1, "a1", 1.0, 3.0)]
     ua = TaskResult("u", 0.0, 1)
     ua.rounds = [_round(0, "a2", 4.0, 5.0)]
-    ev_a = [_ev("gpu_submit", "a0", 0.0), _ev("gpu_submit", "a1", 1.0), _ev("gpu_end", "a0", 2.0),
-            _ev("gpu_end", "a1", 3.0), _ev("gpu_submit", "a2", 4.0), _ev("gpu_end", "a2", 5.0)]
+    ev_a = _spans(("a0", 0.0, 2.0), ("a1", 1.0, 3.0), ("a2", 4.0, 5.0))
     tb = TaskResult("t", 0.0, 2)
     tb.rounds = [_round(0, "b0", 0.0, 1.0), _round(1, "b1", 2.0, 3.0)]
     ub = TaskResult("u", 0.0, 1)
     ub.rounds = [_round(0, "b2", 4.0, 4.5)]
-    ev_b = [_ev("gpu_submit", "b0", 0.0), _ev("gpu_end", "b0", 1.0), _ev("gpu_submit", "b1", 2.0),
-            _ev("gpu_end", "b1", 3.0), _ev("gpu_submit", "b2", 4.0), _ev("gpu_end", "b2", 4.5)]
+    ev_b = _spans(("b0", 0.0, 1.0), ("b1", 2.0, 3.0), ("b2", 4.0, 4.5))
     run_a, run_b = _run([ta, ua]), _run([tb, ub])
     s = solo_calls((run_a, ev_a), (run_b, ev_b))
     assert (s.calls, s.seconds_a, s.seconds_b) == (1, pytest.approx(1.0), pytest.approx(0.5))

@@ -180,8 +180,8 @@ def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: flo
 
     Little's law: concurrent tools = admitted sessions x ``tools_per_session`` (the tool-call
     rate per session times the mean tool duration, i.e. the running tools per session, which
-    the controller measures directly). The cap is ``capacity / tools_per_session``. Backlog guard: when the tools
-    already running exceed the capacity, the cap is also at most
+    the controller measures directly). The cap is ``capacity / tools_per_session``. Backlog
+    guard: when the tools already running exceed the capacity, the cap is also at most
     ``in_use * capacity / active_tools`` (< in_use), so no session is admitted until the
     backlog drains, however optimistic the long-run estimate is. Unknown share -> ceiling.
     """

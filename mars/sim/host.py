@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mars.sim.fidelity import by_client_id, engine_spans
+from mars.sim.fidelity import round_spans
 from mars.workloads.results import RunResult
 
 
@@ -65,13 +65,13 @@ def measure_host(results: RunResult, events: Iterable[dict[str, Any]]) -> HostMo
     first round may wait for the sidecar's admission, which the simulator models itself;
     later rounds of an admitted session are forwarded at once), the mean time from
     ``gpu_end`` to the client's end, and the tools' measured over planned time, summed."""
-    spans = by_client_id(engine_spans(events))
+    spans = round_spans(results, events)
     t0 = float(results.run["start_unix"])  # round times are relative to it, events absolute
     into, first_into, back = [], [], []
     planned = ran = 0.0
     for task in results.tasks:
         for i, r in enumerate(task.rounds):
-            sp = spans.get(r.request_id) if r.request_id else None
+            sp = spans.get((task.task_id, i))
             if sp is not None:
                 (into if i else first_into).append(sp[0] - t0 - r.submit_s)
                 back.append(r.end_s - (sp[1] - t0))
