@@ -321,16 +321,73 @@ def test_a_dead_sidecar_takes_the_server_down(monkeypatch):
         assert not os.path.exists(_ipc_path(srv))
 
 
-def test_group_sigterm_is_a_stop_not_a_sidecar_failure():
-    """SIGTERM to the whole process group (systemd's default, Ctrl-C): the sidecar dies of
-    the signal within a second (uvicorn re-raises it) while the engine still drains. That is
-    the same stop request, not a failed sidecar: no failure line, no second signal into the
-    engine's teardown, and nothing left behind."""
-    with engine_server() as srv:
+def test_a_sidecar_dead_during_start_up_fails_the_command(tmp_path):
+    """The sidecar killed while the engine is still starting (vLLM importing, the model
+    loading): the command exits 1, like a sidecar failure later on, not -15 (the watcher's
+    SIGTERM used to find no handler yet), and leaves no process behind."""
+    import subprocess
+
+    from mars.launch import _bin, clean_environ, free_port
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([_bin("mars-vllm"), "serve", "--host", "127.0.0.1",
+                                 "--port", str(free_port())], stdout=out,
+                                stderr=subprocess.STDOUT, env=clean_environ(),
+                                start_new_session=True)
+    try:
+        sidecar = None
+        deadline = time.monotonic() + 120
+        while sidecar is None and proc.poll() is None and time.monotonic() < deadline:
+            sidecar = next((p for p in _tree(proc.pid)[1:]
+                            if "mars.sidecar" in " ".join(p.cmdline())), None)
+            time.sleep(0.05)
+        assert sidecar is not None, log.read_text()[-3000:]
+        procs = {p.pid: p for p in _tree(proc.pid)}
+        sidecar.kill()
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            # every process the server had until it exited (engine processes may start late)
+            try:
+                procs.update((p.pid, p) for p in _tree(proc.pid))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.1)
+        assert proc.wait(timeout=5) == 1, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "the sidecar exited with status -9" in text, text[-3000:]
+        assert "Application startup complete" not in text  # it died during start-up
+        assert not _wait_gone(list(procs.values()), 20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_group_sigterm_drains_like_a_sigterm_to_the_server():
+    """SIGTERM to the whole process group (Ctrl-C in a terminal, ``kill -TERM -PGID``): the
+    same drain as SIGTERM to the server. The stream in flight finishes; the sidecar, which
+    dies of the signal once its own drain is over, is not a failed sidecar (no failure line,
+    no second signal into the engine's teardown); exit status 0; nothing left behind. vLLM's
+    worker used to hear the group's signal and exit at once: an engine death mid-drain."""
+    with engine_server(["--shutdown-timeout", "60"]) as srv:
         procs = _tree(srv.proc.pid)
-        os.killpg(srv.proc.pid, signal.SIGTERM)
-        srv.proc.wait(timeout=90)
+        engine = [p for p in procs if p.name().startswith("VLLM::")]  # EngineCore, Worker
+        assert len(engine) >= 2 and all(os.getpgid(p.pid) != srv.proc.pid for p in engine), \
+            [(p.pid, p.name(), os.getpgid(p.pid)) for p in procs]
+        sent: list[float] = []
+
+        def on_chunk(n: int) -> None:
+            if n == 20:
+                os.killpg(srv.proc.pid, signal.SIGTERM)
+                sent.append(time.monotonic())
+                time.sleep(1)  # (not reading: the server's loop is free to start the drain)
+
+        chunks, errors, finish = _stream(srv.url, "group-drain-1", 1500, on_chunk)
+        assert sent and not errors and finish == "length", (chunks, errors, finish)
+        assert srv.proc.wait(timeout=90) == 0, srv.tail()
         log = srv.tail(400)
         assert "the sidecar exited with status" not in log, log[-3000:]
         assert "the sidecar was stopped" not in log, log[-3000:]
+        assert "engine died" not in log, log[-3000:]
         assert not _wait_gone(procs, 20)

@@ -254,7 +254,8 @@ def die_with_parent() -> bool:
     """vLLM general plugin (entry point ``vllm.general_plugins``): vLLM loads it in its
     EngineCore and in every worker process. There, ask the kernel to SIGKILL the process the
     moment its parent dies (Linux ``PR_SET_PDEATHSIG``): EngineCore with its API server,
-    a worker with its EngineCore. Returns whether it was armed.
+    a worker with its EngineCore; and leave the server's process group
+    (:func:`_leave_process_group`). Returns whether it was armed.
 
     SIGKILL, not SIGTERM: vLLM's EngineCore answers SIGTERM by draining for
     ``--shutdown-timeout``, a bound its API server enforces; with the server gone nothing
@@ -268,7 +269,27 @@ def die_with_parent() -> bool:
     armed = launch.die_with_parent(signal.SIGKILL)
     if armed and not parent.is_alive():  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
+    if armed:
+        _leave_process_group()
     return armed
+
+
+def _leave_process_group() -> None:
+    """Move this engine process into a process group of its own.
+
+    A signal to the server's process group (Ctrl-C in a terminal, ``kill -TERM -PGID``, a
+    supervisor that signals the group) reached vLLM's worker too, which exits at once on
+    SIGTERM / SIGINT: an engine death in the middle of the drain the API server had just
+    begun (in-flight calls got 503, the command exited 1). Out of the group, the engine
+    hears only its own server, which drains for ``--shutdown-timeout`` and then stops it;
+    it still dies with its parent (``PR_SET_PDEATHSIG``), so it cannot outlive the server.
+    Only safe because the death signal is armed first: a process out of the group is no
+    longer reached by a group SIGKILL either. A systemd unit with the default
+    ``KillMode=control-group`` signals every process of the cgroup, groups notwithstanding
+    (docs/sidecar.md: use ``KillMode=mixed``).
+    """
+    with contextlib.suppress(OSError):  # already a group or session leader: nothing to do
+        os.setpgid(0, 0)
 
 
 def remove_ipc_at_exit(endpoint: str) -> None:

@@ -363,6 +363,13 @@ def _watch_sidecar(proc, grace_s: float) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _interrupt_startup(*_) -> None:
+    """SIGTERM before vLLM's server runs (it installs the same handler, then uvicorn's):
+    unwind the start-up, so that the engine processes already spawned are stopped and the
+    command exits with its own status -- 1 when the sidecar failed."""
+    raise KeyboardInterrupt("terminated")
+
+
 def start_sidecar(args: argparse.Namespace):
     """Start ``mars sidecar`` on the public --host/--port and move the engine behind it.
 
@@ -493,7 +500,14 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)
-    args.dispatch_function(args)
+    # until vLLM's server installs its own SIGTERM handler (the same KeyboardInterrupt), a
+    # SIGTERM -- the sidecar watcher's among them -- would kill us with status -15 mid-import
+    signal.signal(signal.SIGTERM, _interrupt_startup)
+    try:
+        args.dispatch_function(args)
+    except KeyboardInterrupt:
+        if _sidecar_failed is None:  # a stop asked for during start-up: as vLLM alone
+            raise
     _stopping_sidecar.set()
     if lifecycle.engine_died():
         print("mars-vllm: the engine died; exiting with status 1 so that a supervisor "
