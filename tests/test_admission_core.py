@@ -110,3 +110,27 @@ def test_one_shot_sessions_end_with_their_request():
     c.finish(s, "disconnect", 0.5)
     assert sh.ended == [(sid, "disconnect")]
     assert dataclasses.is_dataclass(s)
+
+
+def test_the_wait_deadline_is_a_stall_bound_that_moves_with_progress():
+    """A queued session gives up only after the admitted ones made no progress for the whole
+    bound: each request forwarded or finished, tool event, admission or end of an admitted
+    session moves its deadline on; a queued session leaving does not."""
+    sh = Shell(window=1)
+    c = sh.core
+    a = c.arrive("a", 0.0)
+    c.step(0.0)
+    assert a.is_admitted and c.last_progress == 0.0
+    c.arrive("b", 1.0)
+    assert c.wait_deadline(1.0, 10.0) == 11.0  # arrival after the last progress
+    c.forward(a, 5.0)
+    assert c.wait_deadline(1.0, 10.0) == 15.0
+    c.finish(a, "ok", 7.0)
+    c.observe({"kind": "tool_start", "session_id": "a", "tool": "t", "ts": 9.0}, 9.0)
+    assert c.wait_deadline(1.0, 10.0) == 19.0  # far past 1.0 + 10: still waiting
+    q = c.arrive("q", 12.0)
+    c.give_up(q, "disconnect", 13.0)  # a queued session leaving: no slot came free
+    c.observe({"kind": "tool_start", "session_id": "nobody", "tool": "t", "ts": 14.0}, 14.0)
+    assert c.wait_deadline(1.0, 10.0) == 19.0
+    c.end_session("a", "idle", 20.0)  # a slot comes free: progress
+    assert c.wait_deadline(1.0, 10.0) == 30.0

@@ -266,15 +266,37 @@ def test_window_gates_new_sessions_not_later_rounds(stack):
         assert waiting["r"].status_code == 200
         st = sc.state()
         assert st["admitted"] == 1 and st["queued"] == 0  # w-b holds the slot
-        # admission wait timeout: a clear 503, and the queue entry is gone
+        # w-b holds the slot and does nothing: a stall, a clear 503, the queue entry is gone
         r = _complete(sc.url, "w-d")
         assert r.status_code == 503 and r.json()["error"]["type"] == "admission_timeout"
-        assert "not admitted within 1.5 s" in r.json()["error"]["message"]
+        assert "made no progress for 1.5 s" in r.json()["error"]["message"]
         assert sc.state()["queued"] == 0
         # w-b goes idle (6 s): its slot is reclaimed
         assert _wait(lambda: sc.state()["admitted"] == 0, timeout_s=15)
         sessions = httpx.get(sc.url + "/v1/mars/sessions").json()["sessions"]
         assert sessions == []
+
+
+def test_a_queued_session_waits_past_the_bound_while_the_window_progresses(stack):
+    """--admission-timeout bounds a stall, not the wait: a session queued behind one whose
+    rounds keep going is admitted when that one ends, however long that takes."""
+    with _sidecar(stack, "--admission", "on", "--min-window", "1", "--max-window", "1",
+                  "--admission-timeout", "3") as sc:
+        assert _complete(sc.url, "p-a").status_code == 200
+        waiting: dict = {}
+        t = threading.Thread(target=lambda: waiting.update(r=_complete(sc.url, "p-b")))
+        t.start()
+        assert _wait(lambda: sc.state()["queued"] == 1)
+        t0 = time.monotonic()
+        rnd = 0
+        while time.monotonic() - t0 < 7.0:  # more than twice the bound
+            rnd += 1
+            assert _complete(sc.url, "p-a", round=rnd).status_code == 200
+            time.sleep(0.5)
+        assert t.is_alive() and sc.state()["queued"] == 1
+        assert _complete(sc.url, "p-a", round=rnd + 1, last_round=True).status_code == 200
+        t.join(timeout=30)
+        assert waiting["r"].status_code == 200, waiting["r"].text
 
 
 def test_load_ten_times_the_window(admit):

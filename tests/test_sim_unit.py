@@ -55,7 +55,7 @@ def test_cpu_bound_tools_queue_for_cores_light_tools_do_not():
 def test_control_admits_queued_sessions_and_times_them_out():
     """The shell around the sidecar's AdmissionCore: a new session queues and is admitted
     by the step the simulator settles at the same instant; one that is never admitted fails
-    after the sidecar's admission timeout."""
+    once the admitted sessions stall for the sidecar's admission timeout."""
     from mars.sim.control import SimControl, sidecar_config
 
     clock, tl = VirtualClock(0.0), Timeline()
@@ -76,6 +76,7 @@ def test_control_admits_queued_sessions_and_times_them_out():
     sc1 = sidecar_config(True, 4, 16)
     sc1.admission_config.aimd.initial_window = sc1.admission_config.aimd.max_window = 1
     sc1.admission_config.aimd.min_window = 1
+    sc1.idle_timeout_s = 10 * sc1.admission_timeout_s  # a stays admitted while it idles
     ctl = SimControl(sc1, clock, tl, admitted=lambda s, t: admitted.append((s.id, t)),
                      failed=lambda s, why, t: failed.append((s.id, why, t)), record=events.append)
     a = ctl.arrive("a", 0.0, 10)
@@ -84,9 +85,24 @@ def test_control_admits_queued_sessions_and_times_them_out():
     b = ctl.arrive("b", 0.0, 10)
     ctl.settle(0.0)
     assert not b.is_admitted
-    clock.advance_to(sc1.admission_timeout_s + 1)
+    # a's rounds go on past the bound: b waits its turn (the bound is on stalls)
+    bound = sc1.admission_timeout_s
+    for k in range(1, 4):
+        t = k * 0.6 * bound
+        clock.advance_to(t)
+        tl.run_due(t)
+        ctl.forward(a, t, last_round=False)
+        ctl.finish(a, "ok", t + 1.0)
+    assert not failed and not b.is_admitted and b.waiting == 1
+    # then a holds its slot and does nothing: b gives up one bound after a's last progress
+    last = 3 * 0.6 * bound + 1.0
+    clock.advance_to(last + bound - 1.0)
     tl.run_due(clock())
-    assert failed and failed[-1][0] == "b" and "not admitted within" in failed[-1][1]
+    assert not failed
+    clock.advance_to(last + bound + 0.01)
+    tl.run_due(clock())
+    assert failed and failed[-1][0] == "b" and "made no progress" in failed[-1][1]
+    assert failed[-1][2] == pytest.approx(last + bound)
     assert "b" not in ctl.core.sessions
 
 

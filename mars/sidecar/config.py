@@ -43,7 +43,9 @@ class SidecarConfig:
     events_file: str | None = None
 
     # --- sessions -------------------------------------------------------------------------
-    #: a request waiting this long for admission gets 503 (seconds)
+    #: a request waiting for admission gets 503 once the admitted sessions have made no
+    #: progress (admission, request, tool event, session end) for this long (seconds): a
+    #: stall bound, not a bound on the wait (AdmissionCore.wait_deadline)
     admission_timeout_s: float = 300.0
     #: an admitted session with no request in flight, no open tool call and no activity for
     #: this long is ended (seconds); agents that vanish must not hold a slot forever

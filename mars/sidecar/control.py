@@ -45,7 +45,8 @@ Session = SessionState
 
 
 class AdmissionTimeout(Exception):
-    """The request waited ``admission_timeout_s`` without its session being admitted."""
+    """The request's session was not admitted and the admitted sessions made no progress
+    for ``admission_timeout_s`` (:meth:`AdmissionCore.wait_deadline`)."""
 
 
 class SessionClosed(Exception):
@@ -135,14 +136,22 @@ class ControlPlane:
                 fut = self._futures[sid] = asyncio.get_running_loop().create_future()
                 self.kick()
             s.waiting += 1
+            stall_s = self.config.admission_timeout_s
             try:
-                remaining = self.config.admission_timeout_s - (time.time() - start)
-                async with asyncio.timeout(max(0.0, remaining)):
-                    await asyncio.shield(fut)
+                while True:  # the deadline moves on while the admitted sessions progress
+                    remaining = core.wait_deadline(start, stall_s) - time.time()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    try:
+                        async with asyncio.timeout(remaining):
+                            await asyncio.shield(fut)
+                        break
+                    except TimeoutError:
+                        continue
             except TimeoutError:
                 self.metrics.admission_timeouts.inc()
-                msg = (f"session {sid!r} was not admitted within "
-                       f"{self.config.admission_timeout_s:g} s (window full: {self.in_use} "
+                msg = (f"session {sid!r} was not admitted: the admitted sessions made no "
+                       f"progress for {stall_s:g} s (--admission-timeout; {self.in_use} "
                        f"sessions admitted, {self.queued} queued); retry later")
                 core.give_up(s, "error", time.time())
                 raise AdmissionTimeout(msg) from None

@@ -88,17 +88,23 @@ class SimControl:
         if not s.is_admitted:
             s.waiting += 1
             self._kicked = True
-            deadline = now + self.sidecar.admission_timeout_s
-            self.timeline.at(deadline, lambda t, s=s: self._timeout(s, t))
+            deadline = self.core.wait_deadline(now, self.sidecar.admission_timeout_s)
+            self.timeline.at(deadline, lambda t, s=s, since=now: self._timeout(s, since, t))
         return s
 
-    def _timeout(self, s: SessionState, t: float) -> None:
-        if not s.is_admitted and not s.ended and s.waiting > 0:
-            waiting = s.waiting
-            for _ in range(waiting):
-                self.core.give_up(s, "error", t)
-            self._failed(s, f"session {s.id!r} was not admitted within "
-                            f"{self.sidecar.admission_timeout_s:g} s", t)
+    def _timeout(self, s: SessionState, since: float, t: float) -> None:
+        if s.is_admitted or s.ended or s.waiting <= 0:
+            return
+        stall_s = self.sidecar.admission_timeout_s
+        deadline = self.core.wait_deadline(since, stall_s)
+        if deadline > t:  # the admitted sessions progressed meanwhile: wait on
+            self.timeline.at(deadline, lambda t2, s=s, since=since: self._timeout(s, since, t2))
+            return
+        waiting = s.waiting
+        for _ in range(waiting):
+            self.core.give_up(s, "error", t)
+        self._failed(s, f"session {s.id!r} was not admitted: the admitted sessions made no "
+                        f"progress for {stall_s:g} s", t)
 
     def forward(self, s: SessionState, now: float, last_round: bool) -> None:
         self.core.forward(s, now, last_round=last_round)
