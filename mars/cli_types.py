@@ -46,3 +46,20 @@ def cores(s: str) -> list[int]:
         return parse_cores(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def seeds(s: str) -> list[int]:
+    """Seeds: ``0,1,2`` or a range ``0-4``; distinct, in the order given."""
+    out: list[int] = []
+    try:
+        for part in (x.strip() for x in s.split(",")):
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if sep and lo else [int(part)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be integers like 0,1,2 or 0-4 "
+                                         f"(got {s!r})") from None
+    if not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct and at least one (got {s!r})")
+    return out

@@ -26,7 +26,9 @@ from .report import ABLATIONS, BASELINES, compare, format_tables, write_plots
 from .runner import (
     DEFAULT_POLICIES,
     DEFAULT_RATES,
+    EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_USAGE,
     Bench,
     BenchConfig,
@@ -39,6 +41,7 @@ from .runner import (
 from mars.cli_types import cores as _cores
 from mars.cli_types import positive_float as _positive_float
 from mars.cli_types import positive_int as _positive_int
+from mars.cli_types import seeds as _seeds
 from mars.cli_types import slacks as _slacks
 
 __all__ = ["ABLATIONS", "BASELINES", "Bench", "BenchConfig", "BenchError", "compare",
@@ -141,6 +144,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     try:
         cfg = config_from_args(args)
+        if args.seeds and len(args.seeds) > 1:
+            return run_seeds(cfg, args.seeds)
+        if args.seeds:
+            cfg.seed = args.seeds[0]
         return Bench(cfg).run()
     except BenchError as e:
         print(f"mars bench: {e}", file=sys.stderr)
@@ -151,6 +158,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the workers started (trace generation)
         print("mars bench: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def run_seeds(cfg: BenchConfig, seeds: list[int]) -> int:
+    """One bench per seed into ``OUT/seed-N`` (each resumable on its own), then the pooled
+    comparison in ``OUT`` (mars.bench.seeds). Returns the worst of the seeds' statuses."""
+    from dataclasses import replace
+
+    from .seeds import seed_dir, write_combined
+
+    codes = []
+    for i, seed in enumerate(seeds):
+        print(f"mars bench: seed {seed} ({i + 1} of {len(seeds)})", file=sys.stderr, flush=True)
+        rc = Bench(replace(cfg, seed=seed, out=seed_dir(cfg.out, seed))).run()
+        codes.append(rc)
+        if rc == EXIT_INTERRUPTED:
+            print(f"mars bench: interrupted; continue with the same command and --resume "
+                  f"--out {cfg.out}", file=sys.stderr)
+            return rc
+    command = "mars " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_combined(cfg.out, seeds, command)
+    print(f"mars bench: seeds {', '.join(map(str, seeds))} pooled: {cfg.out / 'report.md'}",
+          file=sys.stderr)
+    return next((c for c in (EXIT_USAGE, EXIT_FAILED) if c in codes), EXIT_OK)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -190,7 +220,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"comma-separated (default: {','.join(map(str, DEFAULT_RATES))})")
     p.add_argument("--num-tasks", type=_positive_int, default=None, metavar="N",
                    help="tasks per point (default: 20; 100 with --preset)")
-    p.add_argument("--seed", type=int, default=0, help="trace and content seed (default: 0)")
+    seed = p.add_mutually_exclusive_group()
+    seed.add_argument("--seed", type=int, default=0,
+                      help="trace and content seed (default: 0)")
+    seed.add_argument("--seeds", type=_seeds, metavar="LIST",
+                      help="several seeds (0,1,2 or 0-2): one bench per seed in OUT/seed-N, "
+                           "then every point pooled over the seeds in OUT (intervals over "
+                           "(seed, task) pairs) with MARS's ratio seed by seed")
     p.add_argument("--scale", type=_positive_float, default=1.0, metavar="F",
                    help="divide token counts by F (tiny models; default 1)")
     p.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="T",
