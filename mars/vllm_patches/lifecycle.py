@@ -260,11 +260,16 @@ def die_with_parent() -> bool:
     SIGKILL, not SIGTERM: vLLM's EngineCore answers SIGTERM by draining for
     ``--shutdown-timeout``, a bound its API server enforces; with the server gone nothing
     would, and a long stream could hold the GPU for minutes. Armed only in processes of
-    ``mars-vllm serve`` (:data:`DIE_WITH_PARENT_ENV`), and only in multiprocessing children,
-    never in the API server or in a process that embeds vLLM (the offline engine, tests).
+    ``mars-vllm serve`` (:data:`DIE_WITH_PARENT_ENV`), and only in multiprocessing children
+    (EngineCore, workers, the extra API servers of ``--api-server-count``), never in the
+    main API server or in a process that embeds vLLM (the offline engine, tests); forked
+    children are armed by :func:`arm_forked_children` instead.
     """
     parent = multiprocessing.parent_process()
-    if parent is None or os.environ.get(DIE_WITH_PARENT_ENV) != "1":
+    if os.environ.get(DIE_WITH_PARENT_ENV) != "1":
+        return False
+    arm_forked_children()
+    if parent is None:
         return False
     armed = launch.die_with_parent(signal.SIGKILL)
     if armed and not parent.is_alive():  # it died before prctl took effect
@@ -272,6 +277,31 @@ def die_with_parent() -> bool:
     if armed:
         _leave_process_group()
     return armed
+
+
+_fork_hook = False
+
+
+def arm_forked_children() -> None:
+    """Arm every child this process forks as :func:`die_with_parent` arms a spawned one.
+
+    vLLM loads its general plugins once per process and a forked child inherits the "loaded"
+    flag, so the plugin never runs in an EngineCore or worker that was forked -- vLLM's
+    default start method on GPUs (it spawns only on CPU, where the suite runs, or once CUDA
+    is initialised). An at-fork hook runs in the child of every ``os.fork`` this process
+    (and, inherited, its forked children) makes, multiprocessing's included; ``subprocess``
+    children exec at once and are not touched. Called by ``mars-vllm serve`` and by the
+    plugin in its spawned children. Idempotent."""
+    global _fork_hook
+    if _fork_hook or not hasattr(os, "register_at_fork"):
+        return
+    _fork_hook = True
+
+    def _in_child() -> None:
+        if launch.die_with_parent(signal.SIGKILL, expected_parent=os.getppid()):
+            _leave_process_group()
+
+    os.register_at_fork(after_in_child=_in_child)
 
 
 def _leave_process_group() -> None:

@@ -494,15 +494,17 @@ def main(argv: list[str] | None = None) -> None:
     lifecycle.remove_ipc_at_exit(args.additional_config["mars"]["events_endpoint"])
     # vLLM's EngineCore and workers die with their parent (the lifecycle plugin reads this)
     os.environ[lifecycle.DIE_WITH_PARENT_ENV] = "1"
+    lifecycle.arm_forked_children()  # (vLLM forks its EngineCore on GPUs: no plugin runs there)
+    # until vLLM's server installs its own SIGTERM handler (the same KeyboardInterrupt), a
+    # SIGTERM -- the sidecar watcher's among them -- would kill us with status -15 mid-import;
+    # installed before the sidecar (and its watcher) starts
+    signal.signal(signal.SIGTERM, _interrupt_startup)
     if not args.no_sidecar and not getattr(args, "uds", None) \
             and not getattr(args, "headless", False):
         start_sidecar(args)
     logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)
-    # until vLLM's server installs its own SIGTERM handler (the same KeyboardInterrupt), a
-    # SIGTERM -- the sidecar watcher's among them -- would kill us with status -15 mid-import
-    signal.signal(signal.SIGTERM, _interrupt_startup)
     try:
         args.dispatch_function(args)
     except KeyboardInterrupt:
