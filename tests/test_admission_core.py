@@ -113,9 +113,11 @@ def test_one_shot_sessions_end_with_their_request():
 
 
 def test_the_wait_deadline_is_a_stall_bound_that_moves_with_progress():
-    """A queued session gives up only after the admitted ones made no progress for the whole
-    bound: each request forwarded or finished, tool event, admission or end of an admitted
-    session moves its deadline on; a queued session leaving does not."""
+    """A queued session gives up only after nothing moved for the whole bound: an admission,
+    a request finished well, engine output, a tool call of an admitted session ending, or an
+    admitted session's end moves its deadline on; a request forwarded or failed (a dead
+    engine with retrying clients), tool starts and counts (a tool runner's chatter while the
+    engine hangs), a queued session's own events and a queued session leaving do not."""
     sh = Shell(window=1)
     c = sh.core
     a = c.arrive("a", 0.0)
@@ -123,14 +125,22 @@ def test_the_wait_deadline_is_a_stall_bound_that_moves_with_progress():
     assert a.is_admitted and c.last_progress == 0.0
     c.arrive("b", 1.0)
     assert c.wait_deadline(1.0, 10.0) == 11.0  # arrival after the last progress
-    c.forward(a, 5.0)
-    assert c.wait_deadline(1.0, 10.0) == 15.0
+    c.forward(a, 2.0)
+    c.finish(a, "error", 3.0)
+    c.forward(a, 4.0)
+    for kind in ("tool_start", "tool_num", "tool_enqueue"):
+        c.observe({"kind": kind, "session_id": "a", "tool": "t", "active": 1, "ts": 5.0}, 5.0)
+    c.observe({"kind": "tool_end", "session_id": "b", "tool": "t", "ts": 5.0}, 5.0)  # queued
+    assert c.wait_deadline(1.0, 10.0) == 11.0  # none of that is progress
+    c.observe({"kind": "kv_snapshot", "total_blocks": 10, "free_blocks": 5, "used_blocks": 5,
+               "ts": 6.0}, 6.0)  # the engine stepped
+    assert c.wait_deadline(1.0, 10.0) == 16.0
     c.finish(a, "ok", 7.0)
-    c.observe({"kind": "tool_start", "session_id": "a", "tool": "t", "ts": 9.0}, 9.0)
+    c.observe({"kind": "tool_end", "session_id": "a", "tool": "t", "duration_s": 1.0,
+               "ts": 9.0}, 9.0)
     assert c.wait_deadline(1.0, 10.0) == 19.0  # far past 1.0 + 10: still waiting
     q = c.arrive("q", 12.0)
     c.give_up(q, "disconnect", 13.0)  # a queued session leaving: no slot came free
-    c.observe({"kind": "tool_start", "session_id": "nobody", "tool": "t", "ts": 14.0}, 14.0)
     assert c.wait_deadline(1.0, 10.0) == 19.0
     c.end_session("a", "idle", 20.0)  # a slot comes free: progress
     assert c.wait_deadline(1.0, 10.0) == 30.0

@@ -269,7 +269,8 @@ def test_window_gates_new_sessions_not_later_rounds(stack):
         # w-b holds the slot and does nothing: a stall, a clear 503, the queue entry is gone
         r = _complete(sc.url, "w-d")
         assert r.status_code == 503 and r.json()["error"]["type"] == "admission_timeout"
-        assert "made no progress for 1.5 s" in r.json()["error"]["message"]
+        assert "nothing progressed" in r.json()["error"]["message"]
+        assert "for 1.5 s" in r.json()["error"]["message"]
         assert sc.state()["queued"] == 0
         # w-b goes idle (6 s): its slot is reclaimed
         assert _wait(lambda: sc.state()["admitted"] == 0, timeout_s=15)
@@ -281,7 +282,7 @@ def test_a_queued_session_waits_past_the_bound_while_the_window_progresses(stack
     """--admission-timeout bounds a stall, not the wait: a session queued behind one whose
     rounds keep going is admitted when that one ends, however long that takes."""
     with _sidecar(stack, "--admission", "on", "--min-window", "1", "--max-window", "1",
-                  "--admission-timeout", "3") as sc:
+                  "--admission-timeout", "6") as sc:
         assert _complete(sc.url, "p-a").status_code == 200
         waiting: dict = {}
         t = threading.Thread(target=lambda: waiting.update(r=_complete(sc.url, "p-b")))
@@ -289,7 +290,7 @@ def test_a_queued_session_waits_past_the_bound_while_the_window_progresses(stack
         assert _wait(lambda: sc.state()["queued"] == 1)
         t0 = time.monotonic()
         rnd = 0
-        while time.monotonic() - t0 < 7.0:  # more than twice the bound
+        while time.monotonic() - t0 < 13.0:  # more than twice the bound
             rnd += 1
             assert _complete(sc.url, "p-a", round=rnd).status_code == 200
             time.sleep(0.5)

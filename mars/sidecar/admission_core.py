@@ -15,11 +15,15 @@ core keeps the per-session bookkeeping around it and decides when a session star
 * A waiter that gives up (timeout, disconnect) withdraws the session from the queue when it
   was the last one waiting for it (:meth:`give_up`), so nothing leaks a queue entry or a slot.
 * A waiter's timeout is a **stall** bound, not a bound on the wait (:meth:`wait_deadline`):
-  it runs out only once the admitted sessions have made no progress (no admission, request
-  forwarded or finished, tool event or session end) for the whole bound. Under load the
-  queue moves and a session is served late rather than refused (the paper's admission
-  queues sessions; it sheds none): a fixed bound on the wait shed 25 of 300 tasks past
-  twice the saturation rate in ``mars sim``, where every baseline served all of them.
+  it runs out only once nothing has moved for the whole bound -- no admission, no admitted
+  session ended, no request finished well, no engine output (:data:`PROGRESS_KINDS`: the
+  engine publishes a KV snapshot every half second while it steps) and no tool call of an
+  admitted session ended. Under load the queue moves and a session is served late rather
+  than refused (the paper's admission queues sessions; it sheds none): a fixed bound on the
+  wait shed 25 of 300 tasks past twice the saturation rate in ``mars sim``, where every
+  baseline served them all. What does not count: a request forwarded or failed (a dead
+  engine with retrying clients), tool starts and counts (a tool runner's chatter while the
+  engine hangs).
 
 The asyncio sidecar (:mod:`mars.sidecar.control`) is a thin shell: it turns "queued" into an
 awaited future, resolves it from :attr:`Listener.admitted`, fails it from
@@ -40,6 +44,9 @@ from mars.policy.events import TOOL_KINDS, make_event
 #: events after which a control step may admit someone
 STEP_KINDS = frozenset({"gpu_end", "gpu_1st_token", "kv_snapshot", "preempt", "scheduler_start",
                         "tool_start", "tool_end", "tool_num"})
+#: engine events that show it working (wait_deadline's progress): it stepped, a call got its
+#: first token or ended
+PROGRESS_KINDS = frozenset({"kv_snapshot", "gpu_1st_token", "gpu_end"})
 #: events BalanceAndAdmit / DualPressureState read (the others would only cost a dispatch on
 #: the hot path); our own session_end is not among them: end() already released the session
 OBSERVED_KINDS = STEP_KINDS | {"request_end"}
@@ -126,10 +133,11 @@ class AdmissionCore:
 
     def wait_deadline(self, waiting_since: float, stall_s: float) -> float:
         """When a request waiting for admission since ``waiting_since`` gives up: ``stall_s``
-        after the later of its arrival and the admitted sessions' last progress. Waiting
-        while others progress is queueing, which the window exists to do; waiting while
-        nothing moves is a stall (a hung engine, sessions that hold their slots and do
-        nothing), which the caller must hear about."""
+        after the later of its arrival and the last progress (module docstring: admissions,
+        ends, requests finished well, engine output, tool ends). Waiting while things move
+        is queueing, which the window exists to do; waiting while nothing moves is a stall
+        (a hung engine, sessions that hold their slots and do nothing), which the caller
+        must hear about."""
         return max(waiting_since, self.last_progress) + stall_s
 
     # ------------------------------------------------------------------ requests
@@ -159,14 +167,16 @@ class AdmissionCore:
         """A request of the admitted session ``s`` goes to the engine."""
         s.inflight += 1
         s.requests += 1
-        s.last_active = self.last_progress = now
+        s.last_active = now
         if last_round:
             s.end_reason = "last_round"
 
     def finish(self, s: SessionState, outcome: str, now: float) -> None:
         """A forwarded request is over: ``outcome`` is "ok", "error" or "disconnect"."""
         s.inflight -= 1
-        s.last_active = self.last_progress = now
+        s.last_active = now
+        if outcome == "ok":
+            self.last_progress = now
         if s.ended or s.inflight > 0 or s.waiting > 0:
             return
         if s.one_shot:
@@ -225,8 +235,10 @@ class AdmissionCore:
             s = self.sessions.get(ev.get("session_id"))  # type: ignore[arg-type]
             if s is not None:
                 s.last_active = now
-                if s.admitted_at is not None:
+                if kind == "tool_end" and s.admitted_at is not None:
                     self.last_progress = now
+        elif kind in PROGRESS_KINDS:
+            self.last_progress = now
         if kind in OBSERVED_KINDS:
             self.balance.observe(ev)
             return kind in STEP_KINDS and self.balance.queued > 0

@@ -61,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="AdmissionConfig overrides as JSON (keys max_queue, pending_ttl_s, "
                         "aimd, packing, pressure; see docs/control_plane.md)")
     g.add_argument("--admission-timeout", type=float, default=d.admission_timeout_s,
-                   help="a request waiting for admission gets 503 once the admitted sessions "
-                        "have made no progress for this many seconds (a stall bound: under "
-                        "load a queued session waits; default: %(default)s)")
+                   help="a request waiting for admission gets 503 once nothing has progressed "
+                        "(admission, session end, finished request, engine output, tool end) "
+                        "for this many seconds: a stall bound, under load a queued session "
+                        "waits (default: %(default)s)")
     g.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
                    help="end an admitted session after this many idle seconds (default: %(default)s)")
     g.add_argument("--step-interval", type=float, default=d.step_interval_s,

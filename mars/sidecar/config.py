@@ -7,6 +7,7 @@ and stream limits), so a policy change never touches the proxy and vice versa.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -43,9 +44,9 @@ class SidecarConfig:
     events_file: str | None = None
 
     # --- sessions -------------------------------------------------------------------------
-    #: a request waiting for admission gets 503 once the admitted sessions have made no
-    #: progress (admission, request, tool event, session end) for this long (seconds): a
-    #: stall bound, not a bound on the wait (AdmissionCore.wait_deadline)
+    #: a request waiting for admission gets 503 once nothing has progressed (admission,
+    #: session end, request finished well, engine output, tool end) for this long (seconds):
+    #: a stall bound, not a bound on the wait (AdmissionCore.wait_deadline)
     admission_timeout_s: float = 300.0
     #: an admitted session with no request in flight, no open tool call and no activity for
     #: this long is ended (seconds); agents that vanish must not hold a slot forever
@@ -109,8 +110,9 @@ class SidecarConfig:
         for name in ("admission_timeout_s", "idle_timeout_s", "step_interval_s",
                      "window_heartbeat_s", "bytes_per_token", "connect_timeout_s",
                      "flush_interval_s", "sse_keepalive_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # (nan > 0 is False too)
+                raise ValueError(f"{name} must be > 0 and finite")
         if self.upstream_client not in ("fast", "httpx"):
             raise ValueError("upstream_client must be 'fast' or 'httpx'")
         if self.drain_timeout_s < 0:

@@ -45,8 +45,8 @@ Session = SessionState
 
 
 class AdmissionTimeout(Exception):
-    """The request's session was not admitted and the admitted sessions made no progress
-    for ``admission_timeout_s`` (:meth:`AdmissionCore.wait_deadline`)."""
+    """The request's session was not admitted and nothing progressed for
+    ``admission_timeout_s`` (:meth:`AdmissionCore.wait_deadline`)."""
 
 
 class SessionClosed(Exception):
@@ -140,19 +140,20 @@ class ControlPlane:
             try:
                 while True:  # the deadline moves on while the admitted sessions progress
                     remaining = core.wait_deadline(start, stall_s) - time.time()
-                    if remaining <= 0:
+                    if remaining <= 0 and not fut.done():  # (admitted as the time ran out)
                         raise TimeoutError
                     try:
-                        async with asyncio.timeout(remaining):
+                        async with asyncio.timeout(max(remaining, 0.0)):
                             await asyncio.shield(fut)
                         break
                     except TimeoutError:
                         continue
             except TimeoutError:
                 self.metrics.admission_timeouts.inc()
-                msg = (f"session {sid!r} was not admitted: the admitted sessions made no "
-                       f"progress for {stall_s:g} s (--admission-timeout; {self.in_use} "
-                       f"sessions admitted, {self.queued} queued); retry later")
+                msg = (f"session {sid!r} was not admitted: nothing progressed (no admission, "
+                       f"session end, finished request, engine output or tool end) for "
+                       f"{stall_s:g} s (--admission-timeout; {self.in_use} sessions admitted, "
+                       f"{self.queued} queued); retry later")
                 core.give_up(s, "error", time.time())
                 raise AdmissionTimeout(msg) from None
             except asyncio.CancelledError:

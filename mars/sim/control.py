@@ -97,14 +97,14 @@ class SimControl:
             return
         stall_s = self.sidecar.admission_timeout_s
         deadline = self.core.wait_deadline(since, stall_s)
-        if deadline > t:  # the admitted sessions progressed meanwhile: wait on
+        if deadline > t:  # things progressed meanwhile: wait on
             self.timeline.at(deadline, lambda t2, s=s, since=since: self._timeout(s, since, t2))
             return
         waiting = s.waiting
         for _ in range(waiting):
             self.core.give_up(s, "error", t)
-        self._failed(s, f"session {s.id!r} was not admitted: the admitted sessions made no "
-                        f"progress for {stall_s:g} s", t)
+        self._failed(s, f"session {s.id!r} was not admitted: nothing progressed for "
+                        f"{stall_s:g} s", t)
 
     def forward(self, s: SessionState, now: float, last_round: bool) -> None:
         self.core.forward(s, now, last_round=last_round)
