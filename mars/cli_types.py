@@ -56,7 +56,12 @@ def seeds(s: str) -> list[int]:
             if not part:
                 continue
             lo, sep, hi = part.partition("-")
-            out += list(range(int(lo), int(hi) + 1)) if sep and lo else [int(part)]
+            if sep and lo:
+                if int(hi) < int(lo):
+                    raise argparse.ArgumentTypeError(f"seed range {part!r} runs backwards")
+                out += list(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
     except ValueError:
         raise argparse.ArgumentTypeError(f"seeds must be integers like 0,1,2 or 0-4 "
                                          f"(got {s!r})") from None

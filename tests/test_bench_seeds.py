@@ -93,7 +93,7 @@ def test_the_seed_list_parses(text, seeds):
     assert parse(text) == seeds
 
 
-@pytest.mark.parametrize("text", ["", "a", "1,1", "0-1,1"])
+@pytest.mark.parametrize("text", ["", "a", "1,1", "0-1,1", "0,3-1"])
 def test_a_bad_seed_list_is_a_usage_error(text):
     import argparse
 
@@ -101,6 +101,24 @@ def test_a_bad_seed_list_is_a_usage_error(text):
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse(text)
+
+
+def test_the_pooled_interval_carries_the_seed_to_seed_spread():
+    """Two seeds where MARS wins by 2x in one and loses by 2x in the other: the pooled tasks
+    alone would give a narrow interval around the mixture; the two-stage bootstrap spans
+    both seeds' ratios."""
+    from mars.bench.stats import BootstrapConfig, clustered_ratio_interval, ratio_interval
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(9, 11, 200)
+    mars = np.concatenate([base[:100] / 2, base[100:] * 2])
+    seeds = ["0"] * 100 + ["1"] * 100
+    flat = ratio_interval(mars, base, "mean", BootstrapConfig())
+    two = clustered_ratio_interval(mars, base, seeds, "mean", BootstrapConfig())
+    assert flat[1] - flat[0] < 0.3
+    assert two[0] < 0.6 and two[1] > 1.9  # from about "all like seed 1" to "all like seed 0"
+    assert clustered_ratio_interval(mars, base, ["0"] * 200, "mean") == ratio_interval(
+        mars, base, "mean")
 
 
 @pytest.mark.engine
@@ -128,3 +146,7 @@ def test_bench_with_several_seeds_runs_each_and_pools_them(tmp_path):
     assert "MARS's mean-latency ratio per seed" in report and "| seed 0 | seed 1 |" in report
     r2 = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0 and r2.stderr.count("2 points (2 reused)") == 2, r2.stderr[-2000:]
+    # without --resume an existing bench is refused before any seed runs
+    r3 = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r3.returncode == 1 and "already holds a bench" in r3.stderr, r3.stderr[-2000:]
+    assert "seed 0 (1 of 2)" not in r3.stderr

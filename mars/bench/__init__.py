@@ -167,17 +167,26 @@ def run_seeds(cfg: BenchConfig, seeds: list[int]) -> int:
 
     from .seeds import seed_dir, write_combined
 
+    if not cfg.resume:  # refuse before any seed runs, not after the first ones did
+        taken = [d for d in [cfg.out, *(seed_dir(cfg.out, s) for s in seeds)]
+                 if (d / "bench.json").exists()]
+        if taken:
+            raise BenchError(f"{taken[0]} already holds a bench (bench.json); pass --resume to "
+                             "continue it or choose another --out")
     codes = []
     for i, seed in enumerate(seeds):
         print(f"mars bench: seed {seed} ({i + 1} of {len(seeds)})", file=sys.stderr, flush=True)
         rc = Bench(replace(cfg, seed=seed, out=seed_dir(cfg.out, seed))).run()
         codes.append(rc)
         if rc == EXIT_INTERRUPTED:
-            print(f"mars bench: interrupted; continue with the same command and --resume "
-                  f"--out {cfg.out}", file=sys.stderr)
+            print(f"mars bench: interrupted; continue every seed with the same command and "
+                  f"--resume --out {cfg.out}", file=sys.stderr)
             return rc
     command = "mars " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_combined(cfg.out, seeds, command)
+    try:
+        write_combined(cfg.out, seeds, command)
+    except (OSError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
+        raise BenchError(f"pooling the seeds' benches in {cfg.out}: {e}") from None
     print(f"mars bench: seeds {', '.join(map(str, seeds))} pooled: {cfg.out / 'report.md'}",
           file=sys.stderr)
     return next((c for c in (EXIT_USAGE, EXIT_FAILED) if c in codes), EXIT_OK)

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mars.bench.stats import BootstrapConfig, paired_tasks, ratio_interval
+from mars.bench.stats import BootstrapConfig, clustered_ratio_interval, paired_tasks, ratio_interval
 
 #: the paper's baselines (§6.2), in its order
 BASELINES = ("fcfs", "autellix", "infercept", "continuum", "continuum_dy")
@@ -212,7 +212,13 @@ def _interval(mars_point: Mapping[str, Any] | None, base_point: Mapping[str, Any
     b = (base_point.get("summary") or {}).get("task_latency_s")
     if not a or not b:
         return None
-    ci = ratio_interval(*paired_tasks(a, b), name, BootstrapConfig())
+    if (mars_point.get("summary") or {}).get("seeds"):  # pooled seeds: "<seed>/<task>" keys
+        ids = sorted(k for k in a.keys() & b.keys() if a[k] is not None and b[k] is not None)
+        ci = clustered_ratio_interval([a[k] for k in ids], [b[k] for k in ids],
+                                      [k.split("/", 1)[0] for k in ids], name,
+                                      BootstrapConfig())
+    else:
+        ci = ratio_interval(*paired_tasks(a, b), name, BootstrapConfig())
     return None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
 
 

@@ -5,8 +5,11 @@ Why: one seed is one draw of arrivals, prompt lengths, output lengths and tool d
 paired bootstrap of one bench (mars.bench.stats) says how much of a ratio could be the luck of
 which tasks that one trace drew, but not how much could be the luck of that trace's arrival
 pattern -- a burst that happens to land on one policy's weak spot is in every resample. Pooled
-over seeds, a point's statistics are over every seed's tasks, and the interval resamples
-``(seed, task)`` pairs: every policy still replays the same traces, so the pairs stay paired.
+over seeds, a point's statistics are over every seed's tasks, and the interval is a
+two-stage bootstrap (:func:`mars.bench.stats.clustered_ratio_interval`): seeds drawn with
+replacement, then each drawn seed's paired tasks -- every policy still replays the same
+traces, so the pairs stay paired, and the seed-to-seed spread enters the interval (pooled
+tasks alone would keep each seed at ~1/k of every resample). Few seeds make it coarse.
 The report adds MARS's mean-latency ratio seed by seed, so a ratio carried by one seed shows.
 
 Pooled per point: latency statistics recomputed over the pooled finished tasks; task counts
@@ -183,7 +186,8 @@ def write_combined(out: Path, seeds: Sequence[int], command: str) -> dict[str, A
         "",
         f"* seeds {', '.join(map(str, seeds))}: one bench each in `seed-N/` (its own report); "
         f"here every point pools the seeds' {cfg.get('num_tasks')} tasks each, and the "
-        "intervals resample (seed, task) pairs",
+        "intervals resample seeds, then each drawn seed's paired tasks (a two-stage "
+        "bootstrap: coarse with few seeds)",
         f"* regimes {', '.join(cfg.get('regimes') or [])}; policies "
         f"{', '.join(cfg.get('policies') or [])}"
         + (f"; simulated: {cfg['sim']}" if cfg.get("sim") else ""),
@@ -194,7 +198,7 @@ def write_combined(out: Path, seeds: Sequence[int], command: str) -> dict[str, A
     if cmp["vs_baseline"]:
         lines += ["### MARS's mean-latency ratio per seed\n",
                   "Strongest baseline / MARS per seed (that seed's strongest baseline), and "
-                  "pooled with its 95 % paired-bootstrap interval over (seed, task) pairs.\n",
+                  "pooled with its 95 % two-stage paired-bootstrap interval (seeds, then tasks).\n",
                   seed_table(docs, seeds, cmp), ""]
     if plots:
         lines += ["Plots: " + ", ".join(f"`{Path(v).relative_to(out)}`" for v in plots.values())]
