@@ -43,6 +43,17 @@ def test_pass_through_admits_at_once_and_ends_on_the_last_round():
     assert sh.kinds() == ["session_admit", "session_end"]
 
 
+def test_a_session_the_engine_refused_gives_its_slot_back():
+    """A sidecar without keys in front of an engine with keys: the engine's 401 ends the
+    session at once instead of leaving its slot taken until the idle timeout."""
+    sh = Shell(admission=False)
+    c = sh.core
+    s = c.arrive("a", 0.0)
+    c.forward(s, 0.1)
+    c.finish(s, "refused", 0.2)
+    assert s.ended and sh.ended == [("a", "error")] and c.in_use == 0
+
+
 def test_queued_sessions_are_admitted_by_steps_within_the_window():
     sh = Shell(window=2)
     c = sh.core

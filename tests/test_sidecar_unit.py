@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from functools import partial
 
 import pytest
 
@@ -127,12 +128,30 @@ def test_malformed_generation_request_is_400_not_forwarded(down):
     (json.dumps([{"kind": "tool_start", "ts": 1.0, "session_id": "s", "tool": "bash",
                   "surprise": 1}]).encode(), "surprise"),
     (json.dumps([{"kind": "tool_end", "ts": 1.0, "session_id": "s", "tool": "bash"}]).encode(),
-     "duration_s"),
+     "tool_end.duration_s: Field required"),
     (json.dumps([{"kind": "no_such_kind", "ts": 1.0}]).encode(), "kind"),
     # non-finite numbers never enter the control state (they used to poison the EMAs)
     (b'[{"kind": "tool_end", "ts": 1.0, "session_id": "s", "tool": "bash", '
-     b'"duration_s": Infinity}]', "duration_s"),
-    (b'[{"kind": "tool_start", "ts": NaN, "session_id": "s", "tool": "bash"}]', "ts"),
+     b'"duration_s": Infinity}]', "tool_end.duration_s: Input should be a finite number"),
+    (b'[{"kind": "tool_start", "ts": NaN, "session_id": "s", "tool": "bash"}]',
+     "tool_start.ts: Input should be a finite number"),
+    # nor huge ones: a 400-digit count overflowed every control step; a far-future ts kept
+    # a fake tool call open for ever
+    (b'[{"kind": "tool_num", "ts": 1.0, "active": 1' + b"0" * 400 + b'}]',
+     "tool_num.active: Input should be less than or equal to"),
+    (b'[{"kind": "tool_end", "ts": 1.0, "session_id": "s", "tool": "bash", '
+     b'"duration_s": 1e300}]', "tool_end.duration_s: Input should be less than or equal to"),
+    (b'[{"kind": "tool_start", "ts": 1e300, "session_id": "s", "tool": "bash"}]',
+     "tool_start.ts: Input should be less than or equal to"),
+    (b'[{"kind": "tool_start", "ts": 5e10, "session_id": "s", "tool": "bash"}]',
+     "tool_start.ts: 4"),  # "...: 4xxxxxxxxx s ahead of the sidecar's clock"
+    (b'[{"kind": "tool_start", "ts": 1.0, "session_id": "s", "tool": "bash", '
+     b'"round": 1' + b"0" * 30 + b'}]', "tool_start.round: Input should be less than"),
+    # names are echoed in JSON: a lone surrogate made GET /v1/mars/sessions unencodable
+    (b'[{"kind": "tool_start", "ts": 1.0, "session_id": "\\ud800", "tool": "bash"}]',
+     "tool_start.session_id: Input should be a valid string"),
+    (json.dumps([{"kind": "session_end", "ts": 1.0, "session_id": "x" * 300,
+                  "reason": "deleted"}]).encode(), "session_end.session_id: String should"),
     (json.dumps([{"kind": "kv_snapshot", "ts": 1.0, "total_blocks": 1, "free_blocks": 1,
                   "used_blocks": 0}]).encode(), "cannot be posted"),
 ])
@@ -145,6 +164,7 @@ def test_malformed_events_are_400_and_counted(down, payload, needle):
     assert "mars_sidecar_events_rejected_total" in metrics
     assert httpx.get(down.url + "/v1/mars/health").status_code == 200
     assert httpx.get(down.url + "/v1/mars/state").status_code == 200  # still serialisable
+    assert httpx.get(down.url + "/v1/mars/sessions").status_code == 200
 
 
 def test_tool_events_reach_state_and_stream(down):
@@ -199,6 +219,12 @@ def test_hostile_bodies_get_4xx_and_the_sidecar_keeps_serving(down):
     r = httpx.post(down.url + "/v1/completions", content=b'{"prompt": "\\ud800 hi"}',
                    headers={"content-type": "application/json", "x-session-id": "sur"})
     assert r.status_code == 400 and "surrogate" in _error(r)["message"], r.text
+    # ... and in a session id, which the sidecar echoes in its JSON (sessions, events)
+    r = httpx.post(down.url + "/v1/completions",
+                   content=b'{"prompt": "x", "vllm_xargs": {"job_id": "\\udc00"}}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and _error(r)["param"] == "vllm_xargs.job_id", r.text
+    assert httpx.get(down.url + "/v1/mars/sessions").status_code == 200
     big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
     r = httpx.post(down.url + "/v1/completions", content=big,
                    headers={"content-type": "application/json"})
@@ -211,33 +237,120 @@ def test_hostile_bodies_get_4xx_and_the_sidecar_keeps_serving(down):
     assert httpx.get(down.url + "/v1/mars/health").status_code == 200
 
 
-def test_large_bodies_are_parsed_off_the_event_loop():
-    """A large request body is parsed in a worker thread (the loop keeps serving the other
-    clients meanwhile); a small one on the loop; errors come back as from a direct call."""
+def _tool_events(n: int) -> bytes:
+    return json.dumps([{"kind": "tool_start", "session_id": f"s{i}", "tool": "bash", "ts": 1.0}
+                       for i in range(n)]).encode()
+
+
+def test_large_bodies_are_parsed_in_a_child_process():
+    """Bodies of the threshold and more are parsed by a child process, with the results,
+    the errors (with their parameter) and the rewritten body of an on-loop parse; a child
+    that dies, idle or half-way through a body, is replaced and the body still parsed."""
     import asyncio
+    import os
+    import signal
 
-    from mars.sidecar.app import OFF_LOOP_PARSE_BYTES, parse_off_loop
+    from mars.policy.events import EventError
+    from mars.sidecar.body_parser import BodyParser
+    from mars.sidecar.request import parse_event_batch
 
-    seen: list[bool] = []
-
-    def parse(body: bytes, tag: str) -> str:
-        seen.append(threading.current_thread() is threading.main_thread())
-        if body.startswith(b"!"):
-            raise BadRequest("bad")
-        return tag
+    limit = 64 << 10
+    tokens = json.dumps({"model": "m", "prompt": list(range(30_000)),
+                         "vllm_xargs": {"job_id": "j", "round": 4}}).encode()
+    text = json.dumps({"model": "m", "prompt": "é" * limit}).encode()
+    bad = json.dumps({"prompt": "x" * limit, "vllm_xargs": {"job_id": "a", "round": "two"}})
+    events = _tool_events(2000)
 
     async def run() -> None:
-        assert await parse_off_loop(parse, b"x" * 10, "small") == "small"
-        assert await parse_off_loop(parse, b"x" * OFF_LOOP_PARSE_BYTES, "big") == "big"
-        with pytest.raises(BadRequest):
-            await parse_off_loop(parse, b"!" * OFF_LOOP_PARSE_BYTES, "bad")
-        # a big real body: the same result as on the loop
-        body = json.dumps({"prompt": "a" * OFF_LOOP_PARSE_BYTES}).encode()
-        got = await parse_off_loop(parse_generate, body, {})
-        assert got.body == parse_generate(body, {}).body
+        p = BodyParser(threshold_bytes=limit)
+        try:
+            small = await p.generate(b'{"prompt": [1, 2]}', {}, 4.0)
+            assert small.prompt_tokens(4.0) == 2 and p.pid is None  # on the loop
+            got = await p.generate(tokens, {}, 4.0)
+            child = p.pid
+            assert child is not None and child != os.getpid()
+            assert (got.session_id, got.round, got.prompt_tokens(4.0)) == ("j", 4, 30_000)
+            assert got.body is tokens  # unchanged: never copied back
+            got = await p.generate(text, {"x-session-id": "h"}, 4.0)
+            ref = parse_generate(text, {"x-session-id": "h"})
+            assert (got.session_id, got.source) == ("h", "x-session-id")
+            assert got.body == ref.body and got.prompt_tokens(4.0) == ref.prompt_tokens(4.0)
+            with pytest.raises(BadRequest) as exc:
+                await p.generate(bad.encode(), {}, 4.0)
+            assert exc.value.param == "vllm_xargs.round"
+            with pytest.raises(EventError, match="exceeds"):
+                await p.events(_tool_events(10_001))
+            assert [e.model_dump() for e in await p.events(events)] == \
+                [e.model_dump() for e in parse_event_batch(events)]
+            assert p.pid == child and p.restarts == 0  # errors do not cost the child
+            os.kill(child, signal.SIGKILL)  # idle child gone: the next body starts another
+            assert (await p.generate(tokens, {}, 4.0)).round == 4
+            child = p.pid
+            assert child is not None and p.restarts == 1
+            os.kill(child, signal.SIGSTOP)  # held: the parse below is certainly in flight
+            pending = asyncio.ensure_future(p.generate(tokens, {}, 4.0))
+            await asyncio.sleep(0.2)
+            assert not pending.done()
+            os.kill(child, signal.SIGKILL)
+            assert (await asyncio.wait_for(pending, 60)).round == 4
+            assert p.pid not in (None, child) and p.restarts == 2
+        finally:
+            await p.aclose()
 
     asyncio.run(run())
-    assert seen == [True, False, False]
+
+
+def _children(pid: int, needle: str) -> list[int]:
+    """Live children of ``pid`` whose command line contains ``needle``."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and needle in cmd:
+            found.append(int(entry))
+    return found
+
+
+def test_a_large_body_does_not_hold_the_event_loop(down):
+    """While a large body is being parsed -- its parser process held stopped, so the parse
+    certainly lasts -- the sidecar answers probes, small requests and event posts; the large
+    request completes once the parser goes on."""
+    import os
+    import signal
+
+    big = json.dumps({"model": "m", "prompt": list(range(100_000)),
+                      "vllm_xargs": {"job_id": "big", "round": 0}}).encode()
+    assert 256 << 10 <= len(big) < 1 << 20  # parsed off the loop, under the fixture's limit
+    post = partial(httpx.post, down.url + "/v1/completions", content=big, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert post().status_code == 503  # parsed, then the (down) engine: the parser runs
+    parsers = _children(down.proc.pid, "mars.sidecar.body_parser")
+    assert len(parsers) == 1, parsers
+    os.kill(parsers[0], signal.SIGSTOP)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(post()))
+    try:
+        t.start()
+        time.sleep(0.5)
+        assert httpx.get(down.url + "/v1/mars/health", timeout=10).status_code == 200
+        r = httpx.post(down.url + "/v1/mars/events", timeout=10, content=_tool_events(2))
+        assert r.status_code == 200 and r.json() == {"accepted": 2}
+        r = httpx.post(down.url + "/v1/completions", timeout=10, json={"prompt": "x"})
+        assert r.status_code == 503  # a small request went all the way to the upstream
+        assert not result and t.is_alive()  # the large one is still being parsed
+    finally:
+        os.kill(parsers[0], signal.SIGCONT)
+        t.join(60)
+    assert result and result[0].status_code == 503, result
 
 
 # ---------------------------------------------------------------------------- access
@@ -354,3 +467,27 @@ def test_open_metrics_is_an_explicit_choice():
                          "--no-upstream-metrics"]) as sc:
         assert httpx.get(sc.url + "/metrics").status_code == 200
         assert httpx.get(sc.url + "/v1/mars/state").status_code == 401
+
+
+def test_keys_come_from_flags_then_the_environment(monkeypatch):
+    """vLLM's ``$VLLM_API_KEY`` guards the sidecar as it guards vLLM; ``mars-vllm serve`` hands
+    its keys over in ``$MARS_SIDECAR_API_KEYS`` (newline-separated); a flag wins over both."""
+    import argparse
+
+    from mars.sidecar.cli import add_arguments, config_from_args
+
+    def cfg(*argv: str):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return config_from_args(p.parse_args(["--upstream", "http://127.0.0.1:1", *argv]))
+
+    for var in ("VLLM_API_KEY", "MARS_SIDECAR_API_KEYS", "MARS_EVENTS_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    assert cfg().api_keys == () and cfg().events_api_keys == ()
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert cfg().api_keys == ("from-vllm",)
+    monkeypatch.setenv("MARS_SIDECAR_API_KEYS", "a\nb")
+    assert set(cfg().api_keys) == {"a", "b"}
+    monkeypatch.setenv("MARS_EVENTS_API_KEY", "ev")
+    assert cfg().events_api_keys == ("ev",)
+    assert cfg("--api-key", "flag").api_keys == ("flag",)

@@ -18,7 +18,27 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from mars.policy.session import MAX_ROUND
+
 SCHEMA_VERSION = 1
+
+# Ranges of what enters the control state from outside. Each bound is far beyond any real
+# value and exists so that a hostile one cannot overflow a float, never age out, or break the
+# state's JSON: a 400-digit ``tool_num.active`` raised OverflowError in every control step, a
+# ``ts`` of 1e300 kept a fake tool call open for ever.
+#: Unix seconds (year 5138); virtual clocks start at 0
+MAX_TS = 1e11
+#: a tool call or a request of 30 days
+MAX_DURATION_S = 30 * 86400.0
+MAX_ACTIVE_TOOLS = 10**6
+#: session ids, tool names, call ids (a job id is at most 256 characters: mars.policy.session)
+MAX_NAME_LEN = 256
+
+
+#: a name from outside: 1..256 characters (pydantic refuses lone surrogates in any string)
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
+Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
+Duration = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
 
 #: GPU plane: emitted by the scheduler inside the EngineCore process.
 ENGINE_KINDS = (
@@ -43,13 +63,13 @@ class _Base(BaseModel):
     #: used to turn the tool-duration EMA into inf, then NaN, and the state unserialisable
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     v: int = SCHEMA_VERSION
-    ts: float = Field(description="Unix time in seconds at the producer")
-    session_id: str | None = None
+    ts: float = Field(ge=0, le=MAX_TS, description="Unix time in seconds at the producer")
+    session_id: Name | None = None
 
 
 class _RequestEvent(_Base):
     request_id: str
-    round: int | None = None
+    round: Round | None = None
 
 
 class GpuSubmit(_RequestEvent):
@@ -127,18 +147,18 @@ class SchedulerStart(_Base):
 
 class ToolEnqueue(_Base):
     kind: Literal["tool_enqueue"]
-    session_id: str
-    tool: str
-    round: int | None = None
-    call_id: str | None = None
+    session_id: Name
+    tool: Name
+    round: Round | None = None
+    call_id: Name | None = None
 
 
 class ToolStart(_Base):
     kind: Literal["tool_start"]
-    session_id: str
-    tool: str
-    round: int | None = None
-    call_id: str | None = None
+    session_id: Name
+    tool: Name
+    round: Round | None = None
+    call_id: Name | None = None
     #: False for a tool that waits (network, sleep) rather than computes: it occupies no core
     #: and is not counted as CPU load
     cpu_bound: bool = True
@@ -146,17 +166,17 @@ class ToolStart(_Base):
 
 class ToolEnd(_Base):
     kind: Literal["tool_end"]
-    session_id: str
-    tool: str
-    duration_s: float = Field(ge=0)
+    session_id: Name
+    tool: Name
+    duration_s: Duration
     status: Literal["ok", "error", "timeout", "interrupted"] = "ok"
-    round: int | None = None
-    call_id: str | None = None
+    round: Round | None = None
+    call_id: Name | None = None
 
 
 class ToolNum(_Base):
     kind: Literal["tool_num"]
-    active: int = Field(ge=0)
+    active: int = Field(ge=0, le=MAX_ACTIVE_TOOLS)
 
 
 class WindowUpdate(_Base):
@@ -180,7 +200,7 @@ class SessionAdmit(_Base):
 
 class SessionEnd(_Base):
     kind: Literal["session_end"]
-    session_id: str
+    session_id: Name
     reason: Literal["last_round", "deleted", "idle", "one_shot", "disconnect", "error"]
 
 
@@ -195,7 +215,7 @@ class RequestEnd(_Base):
     kind: Literal["request_end"]
     request_id: str
     status: int
-    duration_s: float = Field(ge=0)
+    duration_s: Duration
 
 
 Event = Annotated[

@@ -5,8 +5,9 @@ Clients tag each LLM call with ``vllm_xargs`` (vLLM hands them to the scheduler 
 ``round``, ``last_round``, ``next_tool`` and ``prev_tool``. The rules for a valid value are
 defined once, here:
 
-* ``job_id``: a string or an integer (not a boolean), 1..256 characters once printed;
-* ``round``: an integer (a float only if integral; not a boolean), >= 0;
+* ``job_id``: a string or an integer (not a boolean), 1..256 characters of valid Unicode once
+  printed (no lone surrogate: the id is echoed in JSON responses and events);
+* ``round``: an integer (a float only if integral; not a boolean), 0..10^9;
 * ``last_round``: a boolean, 0 / 1, or one of "true", "false", "1", "0", "yes", "no", "";
 * ``next_tool`` / ``prev_tool``: strings (empty means absent).
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_SESSION_ID_LEN = 256
+MAX_ROUND = 10**9
 
 
 class SessionMetaError(ValueError):
@@ -40,20 +42,25 @@ def session_id_value(v: Any, where: str) -> str:
     s = str(v)
     if not s or len(s) > MAX_SESSION_ID_LEN:
         raise SessionMetaError(f"{where} must be 1..{MAX_SESSION_ID_LEN} characters", where)
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SessionMetaError(f"{where} must be valid Unicode (a lone surrogate cannot be "
+                               "encoded)", where) from None
     return s
 
 
 def round_value(v: Any, where: str = "vllm_xargs.round") -> int | None:
     if v is None:
         return None
-    msg = f"{where} must be a non-negative integer"
+    msg = f"{where} must be an integer from 0 to {MAX_ROUND}"
     if isinstance(v, bool):
         raise SessionMetaError(msg, where)
     try:
         r = int(v)
     except (TypeError, ValueError, OverflowError):
         raise SessionMetaError(msg, where) from None
-    if (isinstance(v, float) and v != r) or r < 0:
+    if (isinstance(v, float) and v != r) or not 0 <= r <= MAX_ROUND:
         raise SessionMetaError(msg, where)
     return r
 

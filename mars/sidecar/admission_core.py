@@ -172,7 +172,10 @@ class AdmissionCore:
             s.end_reason = "last_round"
 
     def finish(self, s: SessionState, outcome: str, now: float) -> None:
-        """A forwarded request is over: ``outcome`` is "ok", "error" or "disconnect"."""
+        """A forwarded request is over: ``outcome`` is "ok", "error", "disconnect" or
+        "refused" (the engine refused the caller: 401 / 403 -- a sidecar without keys in
+        front of an engine with keys; such a session must not keep a slot until it idles
+        out)."""
         s.inflight -= 1
         s.last_active = now
         if outcome == "ok":
@@ -185,6 +188,8 @@ class AdmissionCore:
             self.end(s, s.end_reason, now)
         elif outcome == "disconnect":
             self.end(s, "disconnect", now)
+        elif outcome == "refused":
+            self.end(s, "error", now)
 
     def give_up(self, s: SessionState, reason: str, now: float) -> None:
         """A waiter stopped waiting (timeout: "error", client gone: "disconnect"); the last

@@ -33,13 +33,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import time
 from functools import partial
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Query
 from fastapi.exceptions import RequestValidationError
@@ -49,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mars.policy.admission import QueueFull
-from mars.policy.events import TOOL_KINDS, EventError, make_event, parse_events
+from mars.policy.events import TOOL_KINDS, EventError, make_event
 from mars.sidecar.auth import Access, Authenticator
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.control import AdmissionTimeout, ControlPlane, Session, SessionClosed
@@ -60,29 +58,14 @@ from mars.sidecar.metrics import SidecarMetrics
 from mars.sidecar.proxy import (DisconnectWatch, GuardedStreamingResponse, RelayResponse,
                                 buffered, is_event_stream, request_headers)
 from mars.sidecar.upstream import UpstreamUnavailable, make_upstream
-from mars.sidecar.request import BadRequest, parse_generate
+from mars.sidecar.body_parser import BodyParser, ParserUnavailable
+from mars.sidecar.request import BadRequest
 
 log = logging.getLogger("mars.sidecar")
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
 #: kinds clients may post: the CPU plane, plus ``session_end`` as "this session is over"
 POSTABLE_KINDS = frozenset(TOOL_KINDS) | {"session_end"}
-MAX_EVENT_BATCH = 10000
-#: bodies at least this large are parsed in a worker thread: JSON-parsing a 50 MB prompt on
-#: the event loop held it 231 ms, stalling every other client's stream and every event post
-OFF_LOOP_PARSE_BYTES = 256 << 10
-
-_T = TypeVar("_T")
-
-
-async def parse_off_loop(parse: Callable[..., _T], body: bytes, *args: Any) -> _T:
-    """``parse(body, *args)``, in a worker thread when the body is large. The parse still
-    holds the GIL, but the interpreter switches threads every few ms, so the loop keeps
-    serving the others while it runs; small bodies stay on the loop (a thread hop costs more
-    than they do). Exceptions propagate as from a direct call."""
-    if len(body) < OFF_LOOP_PARSE_BYTES:
-        return parse(body, *args)
-    return await asyncio.to_thread(parse, body, *args)
 #: where HotPath leaves the caller's proven audience (mars.sidecar.auth.Access) in the scope
 ACCESS_SCOPE_KEY = "mars.access"
 #: status recorded for a request whose client went away (nginx's convention)
@@ -103,6 +86,7 @@ class Sidecar:
                                       read_timeout_s=config.read_timeout_s,
                                       max_connections=config.max_connections)
         self.reader: EngineEventReader | None = None
+        self.parser = BodyParser(config.offload_parse_bytes)
         self._tasks: list[asyncio.Task] = []
         self._rid = itertools.count(1)
         self._rid_prefix = f"sc-{os.getpid():x}-"
@@ -129,6 +113,7 @@ class Sidecar:
         if self.reader is not None:
             self.reader.stop()
         self.hub.close()
+        await self.parser.aclose()
         await self.upstream.aclose()
 
     async def _flusher(self) -> None:
@@ -192,10 +177,13 @@ class Sidecar:
         if isinstance(body, Response):
             return self._answer(route, body)
         try:
-            info = await parse_off_loop(parse_generate, body, request.headers)
+            info = await self.parser.generate(body, request.headers, self.config.bytes_per_token)
         except BadRequest as exc:
             self.metrics.bad_requests.inc()
             return self._answer(route, openai_error(400, str(exc), param=exc.param))
+        except ParserUnavailable as exc:
+            return self._answer(route, openai_error(503, str(exc),
+                                                    retry_after=self.config.retry_after_s))
         cfg = self.config
         one_shot = info.session_id is None
         sid = info.session_id if not one_shot else self.control.oneshot_id()
@@ -235,7 +223,7 @@ class Sidecar:
                 status = 503
                 return self._answer(route, openai_error(503, str(exc),
                                                         retry_after=cfg.retry_after_s))
-            outcome = "ok"
+            outcome = "refused" if status in (401, 403) else "ok"
             return self._answer(route, buffered(resp, content))
         except asyncio.CancelledError:
             if not watch.disconnected:
@@ -296,19 +284,7 @@ class Sidecar:
         if isinstance(body, Response):
             return body
         try:
-            if not body:
-                raise EventError("empty body: expected a JSON list of events")
-            try:
-                raw = await parse_off_loop(json.loads, body)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise EventError(f"malformed JSON: {exc}") from None
-            except RecursionError:
-                raise EventError("malformed JSON: nested too deeply") from None
-            if isinstance(raw, dict):
-                raw = [raw]
-            if isinstance(raw, list) and len(raw) > MAX_EVENT_BATCH:
-                raise EventError(f"batch of {len(raw)} events exceeds {MAX_EVENT_BATCH}")
-            events = parse_events(raw)
+            events = await self.parser.events(body, now=time.time())
             bad = sorted({e.kind for e in events if e.kind not in POSTABLE_KINDS})
             if bad:
                 raise EventError(f"kinds {bad} cannot be posted here (only "
@@ -323,6 +299,9 @@ class Sidecar:
         except EventError as exc:
             self.metrics.events_rejected.inc()
             return self._answer("events", openai_error(400, f"rejected events: {exc}"))
+        except ParserUnavailable as exc:
+            return self._answer("events", openai_error(503, str(exc),
+                                                       retry_after=self.config.retry_after_s))
         for ev in events:
             d = ev.model_dump()
             if d["kind"] == "session_end":

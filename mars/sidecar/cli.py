@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="upstream read timeout in seconds (default: none)")
     u.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body accepted; larger gets 413 (default: %(default)s)")
+    u.add_argument("--offload-parse-bytes", type=int, default=d.offload_parse_bytes,
+                   help="request bodies of this many bytes and more are JSON-parsed in a "
+                        "child process, off the event loop (default: %(default)s)")
     u.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="upstream connection pool size (default: %(default)s)")
     u.add_argument("--no-upstream-metrics", action="store_true",
@@ -167,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         upstream_client=args.upstream_client,
         retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, offload_parse_bytes=args.offload_parse_bytes,
         merge_upstream_metrics=not args.no_upstream_metrics, parent_pid=args.parent_pid, listen_fd=args.listen_fd,
         api_keys=tuple(args.api_key or _env_keys(KEYS_ENV, "VLLM_API_KEY")),
         events_api_keys=tuple(args.events_api_key or _env_keys(EVENTS_KEYS_ENV)),

@@ -69,6 +69,10 @@ class SidecarConfig:
     #: largest request body accepted (bytes); larger ones get 413 before they are read whole
     #: (a 262K-token prompt is ~2 MB as token ids; 64 MiB leaves room for base64 images)
     max_body_bytes: int = 64 << 20
+    #: bodies of this size and more are JSON-parsed in a child process, not on the event loop
+    #: (mars/sidecar/body_parser.py: CPython's decoder holds the GIL, so a thread would not
+    #: free the loop); below it a parse takes about a millisecond at most
+    offload_parse_bytes: int = 256 << 10
     #: seconds clients are told to wait in Retry-After (429 / 503)
     retry_after_s: int = 1
 
@@ -117,8 +121,8 @@ class SidecarConfig:
             raise ValueError("upstream_client must be 'fast' or 'httpx'")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        if self.max_body_bytes < 1:
-            raise ValueError("max_body_bytes must be >= 1")
+        if self.max_body_bytes < 1 or self.offload_parse_bytes < 0:
+            raise ValueError("max_body_bytes must be >= 1 and offload_parse_bytes >= 0")
         self.api_keys = tuple(k for k in self.api_keys if k)
         self.events_api_keys = tuple(k for k in self.events_api_keys if k)
         if any(any(c.isspace() for c in k) for k in self.api_keys + self.events_api_keys):

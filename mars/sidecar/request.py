@@ -22,9 +22,10 @@ the one rule set of :mod:`mars.policy.session`), and a violation is a 400 with a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from mars.policy.events import Event, EventError, parse_events
 from mars.policy.session import SessionMeta, SessionMetaError, session_id_value
 
 #: header fallbacks for the session id, in order
@@ -38,6 +39,9 @@ class BadRequest(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # keeps ``param`` when raised in the body parser's child process
+        return (BadRequest, (str(self), self.param))
+
 
 @dataclass(slots=True)
 class GenerateRequest:
@@ -49,9 +53,22 @@ class GenerateRequest:
     source: str | None
     round: int | None
     last_round: bool
-    #: the bytes to send upstream (the original body unless job_id was injected)
-    body: bytes
-    obj: dict[str, Any]
+    #: the bytes to send upstream (the original body unless job_id was injected); None only
+    #: in a :meth:`detached` copy whose body was left unchanged
+    body: bytes | None
+    #: the parsed body; None in a :meth:`detached` copy
+    obj: dict[str, Any] | None
+    #: :meth:`prompt_tokens`, computed ahead (a :meth:`detached` copy)
+    prompt_token_count: int | None = None
+
+    def detached(self, bytes_per_token: float, keep_body: bool) -> "GenerateRequest":
+        """A small copy for another process to send back: the prompt estimate computed, the
+        parsed object dropped, the body dropped unless ``keep_body`` (the caller holds it)."""
+        return replace(self, obj=None, body=self.body if keep_body else None,
+                       prompt_token_count=self.prompt_tokens(bytes_per_token))
+
+    def with_body(self, body: bytes) -> "GenerateRequest":
+        return replace(self, body=body)
 
     def prompt_tokens(self, bytes_per_token: float) -> int:
         """Rough prompt length, for the KV-block estimate of a *new* session only.
@@ -59,6 +76,9 @@ class GenerateRequest:
         Token-id prompts are counted exactly; text is estimated from the body size (chat
         templates add the tool schemas and the role markup, which the body size includes).
         """
+        if self.prompt_token_count is not None:
+            return self.prompt_token_count
+        assert self.obj is not None and self.body is not None
         prompt = self.obj.get("prompt")
         if isinstance(prompt, list) and prompt:
             if all(isinstance(t, int) for t in prompt):
@@ -126,3 +146,37 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
         except RecursionError:
             raise BadRequest("malformed JSON body: nested too deeply") from None
     return GenerateRequest(sid, source, rnd, last, body, obj)
+
+
+#: most events one post may carry
+MAX_EVENT_BATCH = 10000
+#: how far ahead of the sidecar's clock a posted ``ts`` may be (seconds). Tool runners share
+#: the host or an NTP-synced clock; an event from the future would keep a tool call open (and
+#: its session from idling out) past ``tool_stale_s``. Old events are harmless: they age out.
+MAX_CLOCK_AHEAD_S = 60.0
+
+
+def parse_event_batch(body: bytes, now: float | None = None) -> list[Event]:
+    """A posted event batch (a JSON list of events, or one object), validated whole; raises
+    :class:`~mars.policy.events.EventError` with a message naming what is wrong. With
+    ``now`` (the sidecar's clock), no ``ts`` may be more than :data:`MAX_CLOCK_AHEAD_S`
+    ahead of it."""
+    if not body:
+        raise EventError("empty body: expected a JSON list of events")
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EventError(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise EventError("malformed JSON: nested too deeply") from None
+    if isinstance(raw, dict):
+        raw = [raw]
+    if isinstance(raw, list) and len(raw) > MAX_EVENT_BATCH:
+        raise EventError(f"batch of {len(raw)} events exceeds {MAX_EVENT_BATCH}")
+    events = parse_events(raw)
+    if now is not None:
+        for i, ev in enumerate(events):
+            if ev.ts > now + MAX_CLOCK_AHEAD_S:
+                raise EventError(f"{i}.{ev.kind}.ts: {ev.ts - now:.0f} s ahead of the "
+                                 f"sidecar's clock (at most {MAX_CLOCK_AHEAD_S:.0f} s)")
+    return events
