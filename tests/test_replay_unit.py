@@ -281,6 +281,7 @@ class FakeServer:
         self.sidecar, self.fail_round = sidecar, fail_round
         self.requests: list[dict] = []
         self.events: list[dict] = []
+        self.rejected_events = 0
         self.seen: list[list[int]] = []
 
     def _cached(self, prompt: list[int]) -> int:
@@ -303,6 +304,11 @@ class FakeServer:
                 ok.add(f"Bearer {self.keys[1]}")
             if got not in ok:
                 return httpx.Response(401, json={"error": {"message": "bad key", "code": 401}})
+            if path == "/v1/mars/events" and got == f"Bearer {self.keys[1]}" and any(
+                    e["kind"] == "session_end" for e in json.loads(request.content)):
+                # as the sidecar: a tool-runner key may not end sessions (whole batch refused)
+                self.rejected_events += 1
+                return httpx.Response(403, json={"error": {"message": "no", "code": 403}})
         if path == "/v1/models":
             return httpx.Response(200, json={"data": [
                 {"id": "fake", "root": "/fake", "max_model_len": self.max_model_len}]})
@@ -561,6 +567,13 @@ def test_replay_sends_the_api_key_and_the_events_key():
     res = _replay(fake, trace, api_key="sk-api", events_api_key="sk-tools")
     assert [t.status for t in res.tasks] == ["completed"] * 2
     assert fake.events, "tool events were not accepted"
+    # sessions that fail end with session_end, which goes with the API key, not the events key
+    fake = FakeServer(sidecar=True, keys=("sk-api", "sk-tools"), fail_round=1)
+    res = _replay(fake, trace, api_key="sk-api", events_api_key="sk-tools")
+    assert [t.status for t in res.tasks] == ["error"] * 2
+    assert fake.rejected_events == 0
+    assert len([e for e in fake.events if e["kind"] == "session_end"]) == 2
+    assert any(e["kind"] == "tool_end" for e in fake.events)
     with pytest.raises(ReplayError, match="401.*API key"):
         _replay(FakeServer(sidecar=True, keys=("sk-api", "sk-tools")), trace)
     with pytest.raises(ReplayError, match="events key"):

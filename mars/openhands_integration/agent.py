@@ -125,7 +125,9 @@ def run_session(task: Task | dict, cfg: AgentConfig | dict, *, session_id: str |
         path = out_dir / "events" / f"{session_id}.jsonl" if out_dir else None
         key = cfg.events_api_key or cfg.api_key
         sink = EventSink(events_url, path=path, max_buffer=cfg.sink_max_buffer,
-                         headers={"authorization": f"Bearer {key}"} if key else None)
+                         headers={"authorization": f"Bearer {key}"} if key else None,
+                         session_headers=({"authorization": f"Bearer {cfg.api_key}"}
+                                          if cfg.api_key else {}))
     ws = Workspace.create(cfg.workspace_base, session_id, mode=cfg.confinement, network=cfg.network,
                           files=task.files)
     result["confinement"] = ws.mode

@@ -26,6 +26,8 @@ import httpx
 log = logging.getLogger(__name__)
 
 EVENTS_PATH = "/v1/mars/events"
+#: events that end a session (not a tool runner's to post with its own key)
+SESSION_KINDS = frozenset({"session_end"})
 
 
 @dataclass
@@ -86,6 +88,7 @@ class EventSink:
         timeout_s: float = 1.0,
         max_backoff_s: float = 2.0,
         headers: dict[str, str] | None = None,
+        session_headers: dict[str, str] | None = None,
     ) -> None:
         self.url = events_url(url)
         self.path = os.fspath(path) if path is not None else None
@@ -96,6 +99,10 @@ class EventSink:
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
         self.headers = {"content-type": "application/json", **(headers or {})}
+        #: for ``session_end``, which a tool-runner key may not post (docs/sidecar.md, "Trust
+        #: model"): sent in posts of its own with these (default: ``headers``)
+        self.session_headers = self.headers if session_headers is None else {
+            "content-type": "application/json", **session_headers}
         self.stats = SinkStats()
         self._buf: collections.deque[dict] = collections.deque()
         self._retry: collections.deque[dict] = collections.deque()
@@ -249,13 +256,18 @@ class EventSink:
     def _post(self, client: httpx.Client, batch: list[dict]) -> None:
         self._inflight = len(batch)
         try:
-            self._post_once(client, batch)
+            tools = [e for e in batch if e.get("kind") not in SESSION_KINDS]
+            ends = [e for e in batch if e.get("kind") in SESSION_KINDS]
+            for part, headers in ((tools, self.headers), (ends, self.session_headers)):
+                if part:
+                    self._post_once(client, part, headers)
         finally:
             self._inflight = 0
 
-    def _post_once(self, client: httpx.Client, batch: list[dict]) -> None:
+    def _post_once(self, client: httpx.Client, batch: list[dict],
+                   headers: dict[str, str]) -> None:
         try:
-            resp = client.post(self.url, content=json.dumps(batch), headers=self.headers)
+            resp = client.post(self.url, content=json.dumps(batch), headers=headers)
             if self._abandoned:
                 return
             if resp.status_code >= 500 or resp.status_code == 429:

@@ -27,14 +27,24 @@ import httpx
 from mars.policy.events import make_event
 
 
+#: events that end a session: a tool-runner key may not post them (docs/sidecar.md, "Trust
+#: model"), so they go in posts of their own with the API key
+SESSION_KINDS = frozenset({"session_end"})
+
+
 class EventPoster:
-    """Batching, fire-and-forget poster of tool events to the sidecar."""
+    """Batching, fire-and-forget poster of tool events to the sidecar.
+
+    ``headers`` authorise the tool events (a tool-runner key); ``session_headers`` (default:
+    ``headers``) the ``session_end`` events, posted apart from them."""
 
     def __init__(self, client: httpx.AsyncClient, url: str, batch: int = 64,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 session_headers: dict[str, str] | None = None) -> None:
         self._client = client
         self._url = url + "/v1/mars/events"
         self._headers = headers
+        self._session_headers = headers if session_headers is None else session_headers
         self._batch = batch
         self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -63,13 +73,16 @@ class EventPoster:
                     done = True
                     break
                 batch.append(nxt)
-            if batch:
-                await self._post(batch)
+            tools = [e for e in batch if e["kind"] not in SESSION_KINDS]
+            ends = [e for e in batch if e["kind"] in SESSION_KINDS]
+            if tools:
+                await self._post(tools, self._headers)
+            if ends:
+                await self._post(ends, self._session_headers)
 
-    async def _post(self, batch: list[dict[str, Any]]) -> None:
+    async def _post(self, batch: list[dict[str, Any]], headers: dict[str, str] | None) -> None:
         try:
-            r = await self._client.post(self._url, json=batch, timeout=5.0,
-                                        headers=self._headers)
+            r = await self._client.post(self._url, json=batch, timeout=5.0, headers=headers)
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False

@@ -147,7 +147,8 @@ class ReplaySession:
             if self.server.sidecar:
                 self.poster = EventPoster(
                     self.client, self.url,
-                    headers=auth_header(self.cfg.events_api_key or self.cfg.api_key)).start()
+                    headers=auth_header(self.cfg.events_api_key or self.cfg.api_key),
+                    session_headers=auth_header(self.cfg.api_key)).start()
         except BaseException:
             await self.__aexit__(None, None, None)
             raise

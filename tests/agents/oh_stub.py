@@ -34,6 +34,8 @@ class StubOpenAI:
         self.requests: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.event_posts = 0
+        #: per event post: (its authorization header, the kinds it carried)
+        self.event_auth: list[tuple[str | None, list[str]]] = []
         self._lock = threading.Lock()
         stub = self
 
@@ -63,6 +65,8 @@ class StubOpenAI:
                 if self.path == "/v1/mars/events":
                     with stub._lock:
                         stub.event_posts += 1
+                        stub.event_auth.append((self.headers.get("authorization"),
+                                                [e.get("kind") for e in body]))
                         if stub.events_status == 200:
                             stub.events.extend(body)
                     self._json(stub.events_status, {"accepted": len(body)})

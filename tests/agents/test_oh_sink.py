@@ -42,6 +42,24 @@ def test_batches_reach_the_sidecar_in_order(stub, tmp_path):
     assert [json.loads(x)["round"] for x in lines] == list(range(30))
 
 
+def test_session_end_goes_with_the_api_key_apart_from_tool_events(stub):
+    """A tool-runner key may post tool events but not ``session_end`` (the sidecar answers a
+    batch that mixes them 403 and would lose the tool events too): the sink posts the end of
+    a session apart, with the API key."""
+    sink = EventSink(stub.url, batch_size=64, headers={"authorization": "Bearer tools"},
+                     session_headers={"authorization": "Bearer api"})
+    for i in range(3):
+        sink.emit(_ev(i))
+    sink.emit(make_event("session_end", session_id="s1", reason="last_round"))
+    assert sink.flush(5.0)
+    sink.close()
+    assert sink.stats.sent == 4 and sink.stats.dropped == 0
+    for auth, kinds in stub.event_auth:
+        assert auth == ("Bearer api" if "session_end" in kinds else "Bearer tools"), (auth, kinds)
+        assert "session_end" not in kinds or set(kinds) == {"session_end"}
+    assert sorted(e["kind"] for e in stub.events) == ["session_end"] + ["tool_start"] * 3
+
+
 def test_nothing_listening_never_blocks_and_counts_drops(free_port):
     sink = EventSink(f"http://127.0.0.1:{free_port}", max_buffer=50, max_retry=20, batch_size=10)
     t0 = time.perf_counter()
