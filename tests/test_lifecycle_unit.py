@@ -39,3 +39,63 @@ def test_a_forked_child_dies_with_its_parent_and_leaves_the_group():
                        timeout=120, start_new_session=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == [str(int(signal.SIGKILL)), "True", "True"], r.stdout
+
+
+def test_stale_event_sockets_are_swept_and_live_ones_kept(tmp_path):
+    """A killed server leaves its events socket behind (no exit hook runs): the next
+    ``mars-vllm serve`` removes socket files nothing listens on, and nothing else."""
+    import os
+    import socket
+
+    from mars.vllm_patches.lifecycle import sweep_stale_ipc
+
+    stale = tmp_path / "mars-engine-1.ipc"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(stale))
+    dead.close()  # the file stays, as after a SIGKILL
+    live_path = tmp_path / "mars-engine-2.ipc"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(live_path))
+    live.listen(1)
+    plain = tmp_path / "mars-engine-3.ipc"
+    plain.write_text("not a socket")
+    other = tmp_path / "other-1.ipc"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(other))
+    dead.close()
+    try:
+        assert sweep_stale_ipc(str(tmp_path)) == [str(stale)]
+        assert not stale.exists() and live_path.exists() and plain.exists() and other.exists()
+    finally:
+        live.close()
+        os.unlink(live_path)
+
+
+def test_a_stop_during_the_engine_handshake_is_not_swallowed(tmp_path, monkeypatch):
+    """vLLM's handshake socket context swallows KeyboardInterrupt (its SIGTERM during
+    start-up): the start-up went on and both sides waited 600 s for each other. After
+    ``propagate_startup_interrupts`` the interrupt leaves the context, which is still
+    cleaned up."""
+    pytest.importorskip("vllm")
+    import zmq
+    import vllm.v1.engine.utils as engine_utils
+
+    from mars.vllm_patches.lifecycle import propagate_startup_interrupts
+
+    monkeypatch.setattr(engine_utils, "zmq_socket_ctx", engine_utils.zmq_socket_ctx)
+    addr = f"ipc://{tmp_path}/handshake.ipc"
+
+    def interrupted_handshake() -> zmq.Socket:
+        with engine_utils.zmq_socket_ctx(addr, zmq.ROUTER, bind=True) as sock:
+            raise KeyboardInterrupt("terminated")
+        return sock  # reached only when the interrupt was swallowed
+
+    sock = interrupted_handshake()  # vLLM 0.32 as shipped: the stop is lost
+    assert sock.closed
+    propagate_startup_interrupts()
+    propagate_startup_interrupts()  # idempotent: wrapped once
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_handshake()
+    with engine_utils.zmq_socket_ctx(addr, zmq.ROUTER, bind=True) as sock:
+        pass  # the context was destroyed: the address can be bound again
+    assert sock.closed

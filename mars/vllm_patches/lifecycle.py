@@ -322,6 +322,70 @@ def _leave_process_group() -> None:
         os.setpgid(0, 0)
 
 
+def propagate_startup_interrupts() -> None:
+    """Let a stop during the engine's start-up handshake stop the start-up.
+
+    vLLM turns SIGTERM during start-up into ``KeyboardInterrupt`` so that the start-up
+    unwinds, but the context manager around the front-end's handshake socket
+    (``vllm.utils.network_utils.zmq_socket_ctx``, used by ``launch_core_engines``) swallows
+    ``KeyboardInterrupt``. A stop that lands while the front-end waits for the EngineCore's
+    hello (the first seconds of every start) therefore ended the handshake half-way and went
+    on: the front-end then waited for a ready message, the EngineCore for the rest of the
+    handshake, each for ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s). Found by the test of a
+    sidecar that dies during start-up, one run in three on this machine (plain ``vllm
+    serve`` behaves the same under a SIGTERM then). The wrapper keeps vLLM's clean-up (the
+    ZMQ context is destroyed as before) and raises the interrupt again after it.
+    """
+    import vllm.v1.engine.utils as engine_utils
+
+    original = engine_utils.zmq_socket_ctx
+    if getattr(original, "_mars_propagates", False):
+        return
+
+    @contextlib.contextmanager
+    def zmq_socket_ctx(*args, **kwargs):
+        interrupted: KeyboardInterrupt | None = None
+        with original(*args, **kwargs) as sock:
+            try:
+                yield sock
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+
+    zmq_socket_ctx._mars_propagates = True  # type: ignore[attr-defined]
+    engine_utils.zmq_socket_ctx = zmq_socket_ctx
+
+
+def sweep_stale_ipc(directory: str, pattern: str = "mars-engine-*.ipc") -> list[str]:
+    """Remove socket files that nothing listens on any more; returns the removed paths.
+
+    :func:`remove_ipc_at_exit` cannot run when a server is killed (SIGKILL, the OOM killer),
+    so such runs leave their events socket behind. A socket file is stale when a connection
+    to it is refused; a live server's (any port) accepts, and anything that is not a socket
+    is left alone.
+    """
+    import glob
+    import socket
+    import stat
+
+    removed = []
+    for path in glob.glob(os.path.join(directory, pattern)):
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(path)
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue  # gone meanwhile, not ours to touch, or busy: leave it
+    return removed
+
+
 def remove_ipc_at_exit(endpoint: str) -> None:
     """Unlink an ``ipc://`` socket file when this process exits.
 

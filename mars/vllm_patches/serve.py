@@ -491,7 +491,10 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging_from_args(args)
     apply_mars_defaults(args, argv[1:], _is_cpu_platform())
     cmd.validate(args)
+    lifecycle.sweep_stale_ipc(tempfile.gettempdir())  # left by servers that were killed
     lifecycle.remove_ipc_at_exit(args.additional_config["mars"]["events_endpoint"])
+    # a SIGTERM during the engine's start-up handshake must stop the start-up (vLLM drops it)
+    lifecycle.propagate_startup_interrupts()
     # vLLM's EngineCore and workers die with their parent (the lifecycle plugin reads this)
     os.environ[lifecycle.DIE_WITH_PARENT_ENV] = "1"
     lifecycle.arm_forked_children()  # (vLLM forks its EngineCore on GPUs: no plugin runs there)
