@@ -22,6 +22,7 @@ pytestmark = pytest.mark.engine
 MODEL = "mars-tiny"
 KEY = "sk-lifecycle"
 AUTH = {"authorization": f"Bearer {KEY}"}
+EVENTS_KEY = "sk-tools"
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -76,7 +77,7 @@ def _stream(url: str, job: str, max_tokens: int, on_chunk=None) -> tuple[int, li
 
 @pytest.fixture(scope="module")
 def keyed():
-    with engine_server(["--api-key", KEY]) as srv:
+    with engine_server(["--api-key", KEY, "--mars-events-api-key", EVENTS_KEY]) as srv:
         yield srv
 
 
@@ -93,6 +94,29 @@ def test_api_key_guards_sidecar_and_engine(keyed):
     assert st["admitted"] == 0 and st["inflight"] == 0  # the 401 took no slot
     r = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_every_control_endpoint_needs_its_key(keyed):
+    """No key: the stream, a session's end and event posts are refused; the tool runners'
+    key posts tool events only (not session_end, not generation, not the state)."""
+    url, tools = keyed.url, {"authorization": f"Bearer {EVENTS_KEY}"}
+    start = [{"kind": "tool_start", "ts": time.time(), "session_id": "k2", "tool": "bash"}]
+    end = [{"kind": "session_end", "ts": time.time(), "session_id": "k2", "reason": "deleted"}]
+    assert httpx.get(url + "/v1/mars/events/stream", timeout=10).status_code == 401
+    assert httpx.delete(url + "/v1/mars/sessions/k", timeout=10).status_code == 401
+    assert httpx.post(url + "/v1/mars/events", json=start, timeout=10).status_code == 401
+    r = httpx.post(url + "/v1/mars/events", json=start, headers=tools, timeout=10)
+    assert r.status_code == 200 and r.json() == {"accepted": 1}
+    assert httpx.post(url + "/v1/mars/events", json=end, headers=tools,
+                      timeout=10).status_code == 403
+    assert httpx.get(url + "/v1/mars/state", headers=tools, timeout=10).status_code == 401
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "vllm_xargs": {"job_id": "k2"}}
+    assert httpx.post(url + "/v1/completions", json=body, headers=tools,
+                      timeout=60).status_code == 401
+    assert httpx.post(url + "/v1/mars/events", json=end, headers=AUTH,
+                      timeout=10).status_code == 200
+    assert httpx.delete(url + "/v1/mars/sessions/nobody", headers=AUTH,
+                        timeout=10).status_code == 404
 
 
 def test_engine_gauges_return_to_idle(keyed):
