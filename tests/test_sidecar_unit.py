@@ -278,6 +278,11 @@ def test_large_bodies_are_parsed_in_a_child_process():
             with pytest.raises(BadRequest) as exc:
                 await p.generate(bad.encode(), {}, 4.0)
             assert exc.value.param == "vllm_xargs.round"
+            deep = b'{"prompt": "x", "extra": ' + b"[" * limit + b"]" * limit + b"}"
+            with pytest.raises(BadRequest, match="nested too deeply"):
+                await p.generate(deep, {}, 4.0)
+            with pytest.raises(EventError, match="nested too deeply"):
+                await p.events(b"[" * limit + b"]" * limit)
             with pytest.raises(EventError, match="exceeds"):
                 await p.events(_tool_events(10_001))
             assert [e.model_dump() for e in await p.events(events)] == \
