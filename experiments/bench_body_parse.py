@@ -5,7 +5,9 @@ small completion (the sidecar parses, admits and forwards the body: all it does 
 probed on ``GET /v1/mars/health`` back to back from another process while large bodies are
 posted. The longest probe while a body is in flight is how long
 every other client waited. Two sidecars side by side in one run: bodies parsed on the loop
-(``--offload-parse-bytes`` above any body) and in the child process (the default).
+(``--offload-parse-bytes`` above any body) and in the child process (the default). First,
+in this process, the reason it is a process: how long the loop is held when the same parse
+runs on it or in a thread (``asyncio.to_thread``: the JSON decoder keeps the GIL).
 
     .venv/bin/python experiments/bench_body_parse.py [--repeat 3] [--json out.json]
 """
@@ -91,6 +93,38 @@ def probe_while(url: str, work) -> tuple[list[float], float]:
     return [d for w, d in json.loads(out) if w0 - d <= w <= w0 + took], took
 
 
+def loop_held(parse, body: bytes, headers: dict[str, str], in_thread: bool) -> float:
+    """Longest gap (s) between 1-ms ticks of this process's event loop while ``body`` is
+    parsed on the loop or in a thread."""
+    import asyncio
+
+    async def run() -> float:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last - 0.001)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        gaps.clear()
+        if in_thread:
+            await asyncio.to_thread(parse, body, headers)
+        else:
+            parse(body, headers)
+        await asyncio.sleep(0.01)
+        done.set()
+        await ticker
+        return max(gaps)
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="posts per body and mode")
@@ -98,6 +132,17 @@ def main() -> None:
     args = ap.parse_args()
     modes = {"on the event loop": ["--offload-parse-bytes", str(1 << 40)],
              "child process (default)": []}
+    from mars.sidecar.request import parse_generate
+
+    print("| body | parsed in this process | longest loop stall (ms), each parse |\n"
+          "|---|---|---|")
+    for name, (body, headers) in bodies().items():
+        for label, in_thread in (("on the event loop", False), ("in a thread", True)):
+            held = [loop_held(parse_generate, body, headers, in_thread)
+                    for _ in range(args.repeat)]
+            print(f"| {name} | {label} | {' / '.join(f'{x * 1e3:.0f}' for x in held)} |",
+                  flush=True)
+    print()
     engine = _Engine(("127.0.0.1", 0), _Engine.Handler)
     threading.Thread(target=engine.serve_forever, daemon=True).start()
     upstream = f"http://127.0.0.1:{engine.server_address[1]}"

@@ -63,9 +63,17 @@ def test_stale_event_sockets_are_swept_and_live_ones_kept(tmp_path):
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(other))
     dead.close()
+    young = tmp_path / "mars-engine-4.ipc"  # perhaps a server between its bind and listen
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(young))
+    dead.close()
+    old = os.stat(stale).st_mtime - 60
+    for p in (stale, live_path, plain, other):
+        os.utime(p, (old, old))
     try:
         assert sweep_stale_ipc(str(tmp_path)) == [str(stale)]
-        assert not stale.exists() and live_path.exists() and plain.exists() and other.exists()
+        assert not stale.exists()
+        assert live_path.exists() and plain.exists() and other.exists() and young.exists()
     finally:
         live.close()
         os.unlink(live_path)

@@ -258,18 +258,21 @@ class EventSink:
         try:
             tools = [e for e in batch if e.get("kind") not in SESSION_KINDS]
             ends = [e for e in batch if e.get("kind") in SESSION_KINDS]
-            for part, headers in ((tools, self.headers), (ends, self.session_headers)):
-                if part:
-                    self._post_once(client, part, headers)
+            if tools and not self._post_once(client, tools, self.headers):
+                # the tool events wait for a retry: a session's end must not overtake them
+                self._requeue(tools + ends)
+            elif ends and not self._post_once(client, ends, self.session_headers):
+                self._requeue(ends)
         finally:
             self._inflight = 0
 
     def _post_once(self, client: httpx.Client, batch: list[dict],
-                   headers: dict[str, str]) -> None:
+                   headers: dict[str, str]) -> bool:
+        """One POST; False when the batch should be retried (the caller requeues it)."""
         try:
             resp = client.post(self.url, content=json.dumps(batch), headers=headers)
             if self._abandoned:
-                return
+                return True
             if resp.status_code >= 500 or resp.status_code == 429:
                 raise httpx.HTTPStatusError(f"HTTP {resp.status_code}", request=resp.request, response=resp)
             if resp.status_code >= 400:
@@ -278,19 +281,20 @@ class EventSink:
                 self.stats.dropped += len(batch)
                 self.stats.last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 log.warning("sidecar rejected %d events: %s", len(batch), self.stats.last_error)
-                return
+                return True
             self.stats.posts_ok += 1
             self.stats.sent += len(batch)
             self._backoff = 0.0
             self._backoff_until = 0.0
+            return True
         except httpx.HTTPError as exc:
             if self._abandoned:
-                return
+                return True
             self.stats.posts_failed += 1
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
             self._backoff = min(self.max_backoff_s, max(0.05, self._backoff * 2))
             self._backoff_until = time.monotonic() + self._backoff
-            self._requeue(batch)
+            return False
 
     def _requeue(self, batch: list[dict]) -> None:
         with self._cv:

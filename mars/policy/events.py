@@ -37,6 +37,9 @@ MAX_NAME_LEN = 256
 
 #: a name from outside: 1..256 characters (pydantic refuses lone surrogates in any string)
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
+#: a tool call's id: the producer's (an OpenHands tool-call id, may be empty; the replay's
+#: ``<job id>.r<round>``, a little longer than a job id)
+CallId = Annotated[str, Field(max_length=2 * MAX_NAME_LEN)]
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
 Duration = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
 
@@ -62,7 +65,7 @@ class _Base(BaseModel):
     #: every number that enters the control state must be finite: one ``Infinity`` duration
     #: used to turn the tool-duration EMA into inf, then NaN, and the state unserialisable
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    v: int = SCHEMA_VERSION
+    v: int = Field(default=SCHEMA_VERSION, ge=0, le=1000)
     ts: float = Field(ge=0, le=MAX_TS, description="Unix time in seconds at the producer")
     session_id: Name | None = None
 
@@ -150,7 +153,7 @@ class ToolEnqueue(_Base):
     session_id: Name
     tool: Name
     round: Round | None = None
-    call_id: Name | None = None
+    call_id: CallId | None = None
 
 
 class ToolStart(_Base):
@@ -158,7 +161,7 @@ class ToolStart(_Base):
     session_id: Name
     tool: Name
     round: Round | None = None
-    call_id: Name | None = None
+    call_id: CallId | None = None
     #: False for a tool that waits (network, sleep) rather than computes: it occupies no core
     #: and is not counted as CPU load
     cpu_bound: bool = True
@@ -171,7 +174,7 @@ class ToolEnd(_Base):
     duration_s: Duration
     status: Literal["ok", "error", "timeout", "interrupted"] = "ok"
     round: Round | None = None
-    call_id: Name | None = None
+    call_id: CallId | None = None
 
 
 class ToolNum(_Base):

@@ -9,7 +9,8 @@ defined once, here:
   printed (no lone surrogate: the id is echoed in JSON responses and events);
 * ``round``: an integer (a float only if integral; not a boolean), 0..10^9;
 * ``last_round``: a boolean, 0 / 1, or one of "true", "false", "1", "0", "yes", "no", "";
-* ``next_tool`` / ``prev_tool``: strings (empty means absent).
+* ``next_tool`` / ``prev_tool``: strings of at most 256 characters of valid Unicode (empty
+  means absent).
 
 The sidecar parses **strictly** (:meth:`SessionMeta.parse` with ``strict=True``): a bad value is
 a :class:`SessionMetaError` naming the field, which it answers with HTTP 400 before anything is
@@ -26,6 +27,8 @@ from typing import Any
 
 MAX_SESSION_ID_LEN = 256
 MAX_ROUND = 10**9
+#: tool names key the retention policy's duration estimates and travel in events
+MAX_TOOL_LEN = 256
 
 
 class SessionMetaError(ValueError):
@@ -80,6 +83,13 @@ def tool_value(v: Any, where: str) -> str | None:
         return None
     if not isinstance(v, str):
         raise SessionMetaError(f"{where} must be a string", where)
+    if len(v) > MAX_TOOL_LEN:
+        raise SessionMetaError(f"{where} must be at most {MAX_TOOL_LEN} characters", where)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SessionMetaError(f"{where} must be valid Unicode (a lone surrogate cannot be "
+                               "encoded)", where) from None
     return v
 
 

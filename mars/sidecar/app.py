@@ -58,7 +58,7 @@ from mars.sidecar.metrics import SidecarMetrics
 from mars.sidecar.proxy import (DisconnectWatch, GuardedStreamingResponse, RelayResponse,
                                 buffered, is_event_stream, request_headers)
 from mars.sidecar.upstream import UpstreamUnavailable, make_upstream
-from mars.sidecar.body_parser import BodyParser, ParserUnavailable
+from mars.sidecar.body_parser import BodyParser, BodyTooComplex, ParserUnavailable
 from mars.sidecar.request import BadRequest
 
 log = logging.getLogger("mars.sidecar")
@@ -86,7 +86,8 @@ class Sidecar:
                                       read_timeout_s=config.read_timeout_s,
                                       max_connections=config.max_connections)
         self.reader: EngineEventReader | None = None
-        self.parser = BodyParser(config.offload_parse_bytes)
+        self.parser = BodyParser(config.offload_parse_bytes, config.max_body_bytes,
+                                 on_restart=self.metrics.body_parser_restarts.inc)
         self._tasks: list[asyncio.Task] = []
         self._rid = itertools.count(1)
         self._rid_prefix = f"sc-{os.getpid():x}-"
@@ -181,6 +182,9 @@ class Sidecar:
         except BadRequest as exc:
             self.metrics.bad_requests.inc()
             return self._answer(route, openai_error(400, str(exc), param=exc.param))
+        except BodyTooComplex as exc:
+            self.metrics.bad_requests.inc()
+            return self._answer(route, openai_error(413, str(exc)))
         except ParserUnavailable as exc:
             return self._answer(route, openai_error(503, str(exc),
                                                     retry_after=self.config.retry_after_s))
@@ -194,7 +198,7 @@ class Sidecar:
             try:
                 session = await self.control.acquire(
                     sid, one_shot=one_shot, last_round=info.last_round,
-                    prompt_tokens=partial(info.prompt_tokens, cfg.bytes_per_token))
+                    prompt_tokens=lambda: info.prompt_tokens)
             except QueueFull as exc:
                 self.metrics.queue_full.inc()
                 return self._answer(route, openai_error(
@@ -299,6 +303,9 @@ class Sidecar:
         except EventError as exc:
             self.metrics.events_rejected.inc()
             return self._answer("events", openai_error(400, f"rejected events: {exc}"))
+        except BodyTooComplex as exc:
+            self.metrics.events_rejected.inc()
+            return self._answer("events", openai_error(413, f"rejected events: {exc}"))
         except ParserUnavailable as exc:
             return self._answer("events", openai_error(503, str(exc),
                                                        retry_after=self.config.retry_after_s))

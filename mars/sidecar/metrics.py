@@ -88,6 +88,10 @@ class SidecarMetrics:
         self.unauthorized = Counter(PREFIX + "unauthorized",
                                     "Requests refused with 401 (missing or invalid key)",
                                     registry=r)
+        self.body_parser_restarts = Counter(
+            PREFIX + "body_parser_restarts",
+            "Body-parser child processes replaced after dying (mars/sidecar/body_parser.py)",
+            registry=r)
         self.sse_dropped = Counter(PREFIX + "sse_dropped",
                                    "Events dropped for slow SSE subscribers", registry=r)
         self.engine_events_malformed = Counter(PREFIX + "engine_events_malformed",

@@ -22,7 +22,7 @@ the one rule set of :mod:`mars.policy.session`), and a violation is a 400 with a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from mars.policy.events import Event, EventError, parse_events
@@ -45,7 +45,8 @@ class BadRequest(ValueError):
 
 @dataclass(slots=True)
 class GenerateRequest:
-    """A parsed ``/v1/chat/completions`` or ``/v1/completions`` request."""
+    """A parsed ``/v1/chat/completions`` or ``/v1/completions`` request: what the sidecar
+    needs from it, nothing of the parsed body (it may be huge, and crosses processes)."""
 
     #: None: no identity anywhere, a one-round session
     session_id: str | None
@@ -53,42 +54,26 @@ class GenerateRequest:
     source: str | None
     round: int | None
     last_round: bool
-    #: the bytes to send upstream (the original body unless job_id was injected); None only
-    #: in a :meth:`detached` copy whose body was left unchanged
-    body: bytes | None
-    #: the parsed body; None in a :meth:`detached` copy
-    obj: dict[str, Any] | None
-    #: :meth:`prompt_tokens`, computed ahead (a :meth:`detached` copy)
-    prompt_token_count: int | None = None
+    #: the bytes to send upstream: the original body unless job_id was injected
+    body: bytes
+    #: rough prompt length, for the KV-block estimate of a *new* session (:func:`prompt_size`)
+    prompt_tokens: int
 
-    def detached(self, bytes_per_token: float, keep_body: bool) -> "GenerateRequest":
-        """A small copy for another process to send back: the prompt estimate computed, the
-        parsed object dropped, the body dropped unless ``keep_body`` (the caller holds it)."""
-        return replace(self, obj=None, body=self.body if keep_body else None,
-                       prompt_token_count=self.prompt_tokens(bytes_per_token))
 
-    def with_body(self, body: bytes) -> "GenerateRequest":
-        return replace(self, body=body)
-
-    def prompt_tokens(self, bytes_per_token: float) -> int:
-        """Rough prompt length, for the KV-block estimate of a *new* session only.
-
-        Token-id prompts are counted exactly; text is estimated from the body size (chat
-        templates add the tool schemas and the role markup, which the body size includes).
-        """
-        if self.prompt_token_count is not None:
-            return self.prompt_token_count
-        assert self.obj is not None and self.body is not None
-        prompt = self.obj.get("prompt")
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) for t in prompt):
-                return len(prompt)
-            if all(isinstance(p, list) for p in prompt):
-                return sum(len(p) for p in prompt)
-        if isinstance(prompt, str):
-            # surrogatepass: an estimate must not fail on a lone surrogate (vLLM answers it)
-            return int(len(prompt.encode("utf-8", "surrogatepass")) / bytes_per_token) + 1
-        return int(len(self.body) / bytes_per_token) + 1
+def prompt_size(obj: dict[str, Any], body: bytes, bytes_per_token: float) -> int:
+    """Rough prompt length: token-id prompts are counted exactly; text is estimated from its
+    size, a chat from the body's (chat templates add the tool schemas and the role markup,
+    which the body size includes)."""
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return sum(len(p) for p in prompt)
+    if isinstance(prompt, str):
+        # surrogatepass: an estimate must not fail on a lone surrogate (vLLM answers it)
+        return int(len(prompt.encode("utf-8", "surrogatepass")) / bytes_per_token) + 1
+    return int(len(body) / bytes_per_token) + 1
 
 
 def _session_value(v: Any, where: str) -> str:
@@ -98,8 +83,10 @@ def _session_value(v: Any, where: str) -> str:
         raise BadRequest(str(exc), param=exc.param) from None
 
 
-def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
-    """Parse and check a generation request; raises :class:`BadRequest`."""
+def parse_generate(body: bytes, headers: Mapping[str, str],
+                   bytes_per_token: float = 4.0) -> GenerateRequest:
+    """Parse and check a generation request; raises :class:`BadRequest`.
+    ``bytes_per_token``: for the estimate of a text prompt's length (SidecarConfig's)."""
     if not body:
         raise BadRequest("request body is empty: expected a JSON object")
     try:
@@ -145,7 +132,7 @@ def parse_generate(body: bytes, headers: Mapping[str, str]) -> GenerateRequest:
                              f"{exc.start} of a string): lone surrogates cannot be encoded")
         except RecursionError:
             raise BadRequest("malformed JSON body: nested too deeply") from None
-    return GenerateRequest(sid, source, rnd, last, body, obj)
+    return GenerateRequest(sid, source, rnd, last, body, prompt_size(obj, body, bytes_per_token))
 
 
 #: most events one post may carry

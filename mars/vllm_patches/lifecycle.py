@@ -357,30 +357,36 @@ def propagate_startup_interrupts() -> None:
     engine_utils.zmq_socket_ctx = zmq_socket_ctx
 
 
-def sweep_stale_ipc(directory: str, pattern: str = "mars-engine-*.ipc") -> list[str]:
+def sweep_stale_ipc(directory: str, pattern: str = "mars-engine-*.ipc",
+                    min_age_s: float = 30.0) -> list[str]:
     """Remove socket files that nothing listens on any more; returns the removed paths.
 
     :func:`remove_ipc_at_exit` cannot run when a server is killed (SIGKILL, the OOM killer),
     so such runs leave their events socket behind. A socket file is stale when a connection
     to it is refused; a live server's (any port) accepts, and anything that is not a socket
-    is left alone.
+    is left alone. A file younger than ``min_age_s`` is left too (a server starting beside
+    us may be between its bind and its listen), and one replaced between the probe and the
+    unlink (another inode) is not touched.
     """
     import glob
     import socket
     import stat
+    import time
 
     removed = []
     for path in glob.glob(os.path.join(directory, pattern)):
         try:
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode) or time.time() - st.st_mtime < min_age_s:
                 continue
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.settimeout(1.0)
                 probe.connect(path)
         except ConnectionRefusedError:
             with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
+                if os.lstat(path).st_ino == st.st_ino:
+                    os.unlink(path)
+                    removed.append(path)
         except OSError:
             continue  # gone meanwhile, not ours to touch, or busy: leave it
     return removed

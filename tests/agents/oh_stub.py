@@ -26,10 +26,13 @@ DEFAULT_SCRIPT: list[tuple[str, dict[str, Any]]] = [
 
 class StubOpenAI:
     def __init__(self, script: list[tuple[str, dict[str, Any]]] | None = None, *,
-                 delay_s: float = 0.0, events_status: int = 200, model: str = "stub-model") -> None:
+                 delay_s: float = 0.0, events_status: int = 200, model: str = "stub-model",
+                 fail_event_posts: int = 0) -> None:
         self.script = list(DEFAULT_SCRIPT if script is None else script)
         self.delay_s = delay_s
         self.events_status = events_status
+        #: the first this many event posts get 503 (a sidecar briefly down)
+        self.fail_event_posts = fail_event_posts
         self.model = model
         self.requests: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -67,9 +70,13 @@ class StubOpenAI:
                         stub.event_posts += 1
                         stub.event_auth.append((self.headers.get("authorization"),
                                                 [e.get("kind") for e in body]))
-                        if stub.events_status == 200:
+                        status = stub.events_status
+                        if stub.fail_event_posts > 0:
+                            stub.fail_event_posts -= 1
+                            status = 503
+                        if status == 200:
                             stub.events.extend(body)
-                    self._json(stub.events_status, {"accepted": len(body)})
+                    self._json(status, {"accepted": len(body)})
                     return
                 if self.path != "/v1/chat/completions":
                     self._json(404, {"error": "not found"})

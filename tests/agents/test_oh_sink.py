@@ -60,6 +60,24 @@ def test_session_end_goes_with_the_api_key_apart_from_tool_events(stub):
     assert sorted(e["kind"] for e in stub.events) == ["session_end"] + ["tool_start"] * 3
 
 
+def test_a_session_end_never_overtakes_tool_events_waiting_for_a_retry():
+    """The tool events' post fails (sidecar briefly down): the session's end waits with them
+    and arrives after them, not before."""
+    from oh_stub import StubOpenAI
+
+    with StubOpenAI(fail_event_posts=1) as stub:
+        sink = EventSink(stub.url, batch_size=64, headers={"authorization": "Bearer tools"},
+                         session_headers={"authorization": "Bearer api"})
+        for i in range(3):
+            sink.emit(_ev(i))
+        sink.emit(make_event("session_end", session_id="s1", reason="last_round"))
+        assert sink.flush(10.0)
+        sink.close()
+        kinds = [e["kind"] for e in stub.events]
+        assert kinds == ["tool_start"] * 3 + ["session_end"], (kinds, stub.event_auth)
+        assert stub.event_auth[0] == ("Bearer tools", ["tool_start"] * 3)  # the failed post
+
+
 def test_nothing_listening_never_blocks_and_counts_drops(free_port):
     sink = EventSink(f"http://127.0.0.1:{free_port}", max_buffer=50, max_retry=20, batch_size=10)
     t0 = time.perf_counter()
