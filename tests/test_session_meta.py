@@ -19,6 +19,11 @@ from mars.sidecar.request import BadRequest, parse_generate
     ({"round": False}, "vllm_xargs.round"),
     ({"last_round": "maybe"}, "vllm_xargs.last_round"),
     ({"next_tool": 3}, "vllm_xargs.next_tool"),
+    # echoed in JSON (sessions, events) and keying the retention policy's estimates
+    ({"job_id": "\ud800"}, "vllm_xargs.job_id"),
+    ({"round": 10**9 + 1}, "vllm_xargs.round"),
+    ({"next_tool": "t" * 257}, "vllm_xargs.next_tool"),
+    ({"prev_tool": "\udfff"}, "vllm_xargs.prev_tool"),
 ])
 def test_the_same_rule_is_strict_at_the_sidecar_and_lenient_in_the_engine(xargs, param):
     with pytest.raises(SessionMetaError) as exc:
