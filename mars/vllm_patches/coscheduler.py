@@ -44,13 +44,20 @@ Emit = Callable[..., None]
 class CoScheduler:
     def __init__(self, retention: RetentionPolicy, kv_cache_manager, *, block_size: int,
                  total_blocks: int, lookahead_tokens: int, shrink: bool, pin: bool,
-                 headroom_tokens: int, emit: Emit, counters: dict[str, int]) -> None:
+                 headroom_tokens: int, emit: Emit, counters: dict[str, int],
+                 full_sequence_must_fit: bool = True) -> None:
         self.retention = retention
         self._kvm = kv_cache_manager
         self._pool = kv_cache_manager.block_pool
         self._bs = block_size
         self.total_blocks = total_blocks
         self._lookahead = lookahead_tokens
+        #: vLLM admits a waiting call only if its whole sequence fits
+        #: (``scheduler_reserve_full_isl``), else only its first chunk
+        self._full_sequence = full_sequence_must_fit
+        #: KV cache groups: a hybrid model (GPT-OSS: full and sliding-window attention)
+        #: takes blocks in each for the same tokens
+        self._groups = max(1, len(kv_cache_manager.coordinator.single_type_managers))
         self.shrink_on = shrink
         self.pin_on = pin
         headroom = AdmissionHeadroom(headroom_tokens)
@@ -111,21 +118,23 @@ class CoScheduler:
         """A waiting or preempted call is about to be admitted with ``n`` new tokens and
         ``computed`` tokens hit in the cache: reclaim pins it needs, then apply headroom.
 
-        vLLM's allocation takes the blocks the sequence still needs *and* the hit blocks that
-        sit in the free queue (unreferenced cached blocks), so the call fits iff
-        ``free >= blocks(sequence) - referenced hit blocks``; releasing a pin whose blocks
-        are this call's hits frees no room for it."""
+        What the call needs is what vLLM's ``allocate_slots`` will ask the pool for, counted
+        by vLLM's own coordinator (:meth:`_admission_blocks`): every KV cache group, the hit
+        blocks that sit in the free queue (unreferenced cached blocks are taken from it too),
+        the watermark. Releasing a pin whose blocks are this call's hits therefore frees no
+        room for it, and is tried last."""
         bs = self._bs
         free = self._pool.get_num_free_blocks()
         headroom = self.headroom
         reserve = headroom.reserve_blocks(running, bs) if (headroom and running) else 0
-        total = -(-(request.num_tokens + self._lookahead) // bs)
-        hits: list = []
-        if free < total + reserve and computed >= bs:
-            hits = self._hit_blocks(request)
+        # an upper bound first, without the lookup: every group holding the whole sequence
+        bound = self._groups * -(-(request.num_tokens + self._lookahead) // bs) \
+            + self._kvm.watermark_blocks
+        if free >= bound + reserve:
+            return n
 
         def need() -> int:
-            return total - sum(1 for b in hits if b.ref_cnt > 0)
+            return self._admission_blocks(request, computed, n, running > 0)
 
         if free < need() + reserve and len(self.pins):
             self._counters["reclaimed_for_admission"] += 1
@@ -137,12 +146,35 @@ class CoScheduler:
             return 0  # vLLM stops admitting for this step
         return n
 
-    def _hit_blocks(self, request: Request) -> list:
-        """The blocks of the request's prefix-cache hit (the lookup vLLM just made)."""
-        try:
-            return list(self._kvm.get_computed_blocks(request)[0].blocks[0])
-        except (AttributeError, IndexError):
-            return []
+    def _admission_blocks(self, request: Request, computed: int, n: int,
+                          has_running: bool) -> int:
+        """The free blocks vLLM 0.32's ``allocate_slots`` requires to admit ``request``:
+        its own coordinator's count (the same call with the same arguments as the scheduler's
+        admission), plus the watermark it adds for waiting calls while others run.
+
+        Counting one group's blocks, as this did, was short by the sliding-window group's
+        on GPT-OSS-120B: admission saw room, vLLM did not, and with 93 calls waiting,
+        none running and 93 % of the pool pinned under InferCept the engine stalled."""
+        kvm = self._kvm
+        hit = self._hit_blocks_by_group(request) if computed > request.num_computed_tokens \
+            else kvm.empty_kv_cache_blocks.blocks
+        if self._full_sequence:
+            tokens = main = min(request.num_tokens, kvm.max_model_len)
+        else:
+            main = computed + n
+            tokens = min(main + self._lookahead, kvm.max_model_len)
+        need = kvm.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id, num_tokens=tokens, new_computed_blocks=hit,
+            num_encoder_tokens=0, total_computed_tokens=computed,
+            num_local_computed_tokens=computed, num_tokens_main_model=main,
+            apply_admission_cap=self._full_sequence,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+        return need + (kvm.watermark_blocks if has_running else 0)
+
+    def _hit_blocks_by_group(self, request: Request) -> tuple:
+        """The blocks of the request's prefix-cache hit, per KV cache group (the lookup
+        vLLM just made)."""
+        return self._kvm.get_computed_blocks(request)[0].blocks
 
     def running_chunk(self, request: Request, computed: int, n: int, prefill: bool,
                       session_id: str | None, round_: int | None, now: float) -> int:

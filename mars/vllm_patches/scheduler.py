@@ -87,7 +87,7 @@ class MarsSchedulerMixin:
         )
         self.mars_counters = {"submitted": 0, "finished": 0, "preempted": 0, "steps": 0,
                               "shrunk": 0, "yielded": 0, "held_back": 0, "pinned": 0,
-                              "unpinned": 0, "reclaimed_for_admission": 0}
+                              "unpinned": 0, "reclaimed_for_admission": 0, "stall_released": 0}
         pool = self.kv_cache_manager.block_pool
         self._mars_pool = pool
         total = pool.num_gpu_blocks - 1  # the null block is never handed out
@@ -106,7 +106,8 @@ class MarsSchedulerMixin:
             total_blocks=total, lookahead_tokens=self.num_lookahead_tokens,
             shrink=spec.chunk_shrink, pin=spec.pin,
             headroom_tokens=int(cfg.get("admit_headroom_tokens", spec.admit_headroom_tokens)),
-            emit=self._mars_emit, counters=self.mars_counters)
+            emit=self._mars_emit, counters=self.mars_counters,
+            full_sequence_must_fit=bool(self.scheduler_reserve_full_isl))
         self._mars_tick_s = float(cfg.get("tick_s", 0.05))
         self._mars_snapshot_s = float(cfg.get("snapshot_interval_s", 0.5))
         # admitted, no output token yet: watched at each step for ``gpu_1st_token``
@@ -231,6 +232,13 @@ class MarsSchedulerMixin:
         self.mars_counters["steps"] += 1
         out = super().schedule(*args, **kwargs)
         n_sched = len(out.num_scheduled_tokens)
+        if not n_sched and not self.running and self.waiting and cosched.pins.pinned_blocks:
+            # Liveness backstop: calls wait, none runs, and pins hold blocks. The admission
+            # hook reclaims what vLLM's own count says a call needs, so this is only reached
+            # if that count and vLLM disagree; a stalled engine is the worst outcome pins can
+            # have, so every pin goes and the next step admits.
+            self.mars_counters["stall_released"] += 1
+            cosched.release_all("pressure", now)
         if log is not None and n_sched:
             log.begin(now, scheduled_batch(out))
         self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched) if n_sched \
