@@ -39,18 +39,24 @@ class SessionMetaError(ValueError):
         self.param = param
 
 
-def session_id_value(v: Any, where: str) -> str:
-    if isinstance(v, bool) or not isinstance(v, (str, int)):
-        raise SessionMetaError(f"{where} must be a string or an integer", where)
-    s = str(v)
-    if not s or len(s) > MAX_SESSION_ID_LEN:
-        raise SessionMetaError(f"{where} must be 1..{MAX_SESSION_ID_LEN} characters", where)
+def _encodable(s: str, where: str) -> str:
+    """``s``, if it can be encoded: ids and tool names are echoed in JSON responses and
+    events, which a lone surrogate makes unencodable."""
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
         raise SessionMetaError(f"{where} must be valid Unicode (a lone surrogate cannot be "
                                "encoded)", where) from None
     return s
+
+
+def session_id_value(v: Any, where: str) -> str:
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise SessionMetaError(f"{where} must be a string or an integer", where)
+    s = str(v)
+    if not s or len(s) > MAX_SESSION_ID_LEN:
+        raise SessionMetaError(f"{where} must be 1..{MAX_SESSION_ID_LEN} characters", where)
+    return _encodable(s, where)
 
 
 def round_value(v: Any, where: str = "vllm_xargs.round") -> int | None:
@@ -85,12 +91,7 @@ def tool_value(v: Any, where: str) -> str | None:
         raise SessionMetaError(f"{where} must be a string", where)
     if len(v) > MAX_TOOL_LEN:
         raise SessionMetaError(f"{where} must be at most {MAX_TOOL_LEN} characters", where)
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise SessionMetaError(f"{where} must be valid Unicode (a lone surrogate cannot be "
-                               "encoded)", where) from None
-    return v
+    return _encodable(v, where)
 
 
 #: field -> its rule (built once: both the sidecar and the engine parse on every request)

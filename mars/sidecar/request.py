@@ -76,6 +76,17 @@ def prompt_size(obj: dict[str, Any], body: bytes, bytes_per_token: float) -> int
     return int(len(body) / bytes_per_token) + 1
 
 
+def _decode(body: bytes, error: type[ValueError], what: str) -> Any:
+    """The body's JSON, or ``error`` with a message (nesting too deep is the client's error
+    too: the decoder's RecursionError)."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{what}: {exc}") from None
+    except RecursionError:
+        raise error(f"{what}: nested too deeply") from None
+
+
 def _session_value(v: Any, where: str) -> str:
     try:
         return session_id_value(v, where)
@@ -89,12 +100,7 @@ def parse_generate(body: bytes, headers: Mapping[str, str],
     ``bytes_per_token``: for the estimate of a text prompt's length (SidecarConfig's)."""
     if not body:
         raise BadRequest("request body is empty: expected a JSON object")
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}") from None
-    except RecursionError:
-        raise BadRequest("malformed JSON body: nested too deeply") from None
+    obj = _decode(body, BadRequest, "malformed JSON body")
     if not isinstance(obj, dict):
         raise BadRequest(f"expected a JSON object, got {type(obj).__name__}")
     xargs = obj.get("vllm_xargs")
@@ -150,12 +156,7 @@ def parse_event_batch(body: bytes, now: float | None = None) -> list[Event]:
     ahead of it."""
     if not body:
         raise EventError("empty body: expected a JSON list of events")
-    try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise EventError(f"malformed JSON: {exc}") from None
-    except RecursionError:
-        raise EventError("malformed JSON: nested too deeply") from None
+    raw = _decode(body, EventError, "malformed JSON")
     if isinstance(raw, dict):
         raw = [raw]
     if isinstance(raw, list) and len(raw) > MAX_EVENT_BATCH:
