@@ -1,11 +1,11 @@
 """Large request bodies are parsed in a child process, never on the sidecar's event loop.
 
 Why a process and not a thread: CPython's JSON decoder is C code that holds the GIL for the
-whole document, so a worker thread gives the loop no turn until the parse ends (measured by
-``experiments/bench_body_parse.py``: the loop is held about as long either way; docs/sidecar.md
-has the table). A 50 MB prompt held it ~150 ms, 5 M token ids ~0.4-0.9 s: every other
-client's stream, every event post and every admission waited that long. With a child the
-loop only hands the bytes to a pipe and reads the small answer back, both non-blocking.
+whole document, so a worker thread gives the loop no turn while it decodes (measured by
+``experiments/bench_body_parse.py``, table in docs/sidecar.md: a thread halves the stall at
+best). On the loop a 50 MB prompt held it ~130-160 ms, 5 M token ids ~0.6-0.7 s: every other
+client's stream, every event post and every admission waited that long. With a child the loop
+only hands the bytes to a pipe and reads the small answer back, both non-blocking.
 
 Small bodies -- all real traffic but huge prompts -- stay on the loop: below
 ``threshold_bytes`` a parse costs less than the hop to another process.
