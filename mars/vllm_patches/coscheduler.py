@@ -17,9 +17,11 @@ Four rules, each applied where vLLM asks how many tokens a request gets
   (``RetentionPolicy.reclaim_rank``), when a running call needs blocks (before vLLM preempts
   anyone) *and* when a waiting call cannot be admitted for lack of blocks (before the step
   gives up on it). The waiting call's own session's pin goes last: it is mostly that call's
-  cache hit, and frees room only where the new prompt does not reuse it. This is the
-  **liveness rule**: a waiting call is never blocked by pins, so no state with waiting > 0,
-  running = 0 and pinned > 0 outlasts one step, for every policy that pins.
+  cache hit, and frees room only where the new prompt does not reuse it. The need is vLLM's
+  own coordinator's count over every KV cache group. This is the **liveness rule**: a waiting
+  call is never blocked by pins, so no state with waiting > 0, running = 0 and pinned > 0
+  outlasts two steps (:meth:`CoScheduler.backstop` catches a count that disagrees with
+  vLLM's), for every policy that pins.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from vllm.v1.core.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
+                                                        FullAttentionManager,
+                                                        SlidingWindowManager)
 from vllm.v1.request import Request, RequestStatus
 
 from mars.policy.base import KvPressure, PinCandidate, RetentionPolicy
@@ -35,6 +40,10 @@ from mars.vllm_patches.calls import EngineCall
 from mars.vllm_patches.pins import PinnedRound, PinTable
 
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+#: KV managers whose need for a sequence is at most one block per ``block_size`` tokens plus
+#: one (a copy-on-write partial hit): for them a cheap upper bound can skip the exact count
+_ATTENTION = (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
 #: sessions whose last round-end time is remembered (for tool-gap observations)
 _MAX_ROUND_ENDS = 4096
 
@@ -57,7 +66,12 @@ class CoScheduler:
         self._full_sequence = full_sequence_must_fit
         #: KV cache groups: a hybrid model (GPT-OSS: full and sliding-window attention)
         #: takes blocks in each for the same tokens
-        self._groups = max(1, len(kv_cache_manager.coordinator.single_type_managers))
+        managers = kv_cache_manager.coordinator.single_type_managers
+        self._group_block_sizes = tuple(m.block_size for m in managers) \
+            if all(isinstance(m, _ATTENTION) for m in managers) else None
+        self._groups = max(1, len(managers))
+        #: the call the admission hook let through last in this step (the backstop's clue)
+        self._admitting: tuple[Request, int, int] | None = None
         self.shrink_on = shrink
         self.pin_on = pin
         headroom = AdmissionHeadroom(headroom_tokens)
@@ -127,48 +141,63 @@ class CoScheduler:
         free = self._pool.get_num_free_blocks()
         headroom = self.headroom
         reserve = headroom.reserve_blocks(running, bs) if (headroom and running) else 0
-        # an upper bound first, without the lookup: every group holding the whole sequence
-        bound = self._groups * -(-(request.num_tokens + self._lookahead) // bs) \
-            + self._kvm.watermark_blocks
-        if free >= bound + reserve:
+        self._admitting = (request, computed, n)
+        if free >= self._upper_bound(request) + reserve:
             return n
+        hit = self._hit_blocks_by_group(request) if computed > request.num_computed_tokens \
+            else self._kvm.empty_kv_cache_blocks.blocks
 
         def need() -> int:
-            return self._admission_blocks(request, computed, n, running > 0)
+            return self._admission_blocks(request, computed, n, running > 0, hit)
 
-        if free < need() + reserve and len(self.pins):
+        wanted = need()
+        # more than the pool: vLLM's way to defer a call a step (Mamba), not a lack of room
+        if free < wanted + reserve and len(self.pins) and wanted <= self.total_blocks:
             self._counters["reclaimed_for_admission"] += 1
             self.reclaim(lambda: self._pool.get_num_free_blocks() >= need() + reserve, now,
                          last=session_id)
             free = self._pool.get_num_free_blocks()
         if headroom is not None and running and not headroom.allows(free, need(), running, bs):
             self._counters["held_back"] += 1
+            self._admitting = None
             return 0  # vLLM stops admitting for this step
         return n
 
-    def _admission_blocks(self, request: Request, computed: int, n: int,
-                          has_running: bool) -> int:
+    def _upper_bound(self, request: Request) -> int:
+        """A cheap bound on what :meth:`_admission_blocks` can say: every group holding the
+        whole sequence plus a copy-on-write block. Only for attention groups (a Mamba group
+        counts otherwise): without one, the bound is the pool itself (always counted)."""
+        sizes = self._group_block_sizes
+        if sizes is None:
+            return self.total_blocks + 1
+        tokens = request.num_tokens + self._lookahead
+        return sum(-(-tokens // b) + 1 for b in sizes) + self._kvm.watermark_blocks
+
+    def _admission_blocks(self, request: Request, computed: int, n: int, has_running: bool,
+                          hit: tuple) -> int:
         """The free blocks vLLM 0.32's ``allocate_slots`` requires to admit ``request``:
-        its own coordinator's count (the same call with the same arguments as the scheduler's
-        admission), plus the watermark it adds for waiting calls while others run.
+        its own coordinator's count (the same calls with the same arguments as the
+        scheduler's admission: the whole sequence with the admission cap when vLLM reserves
+        it, and always the first chunk), plus the watermark it adds while others run.
 
         Counting one group's blocks, as this did, was short by the sliding-window group's
         on GPT-OSS-120B: admission saw room, vLLM did not, and with 93 calls waiting,
         none running and 93 % of the pool pinned under InferCept the engine stalled."""
         kvm = self._kvm
-        hit = self._hit_blocks_by_group(request) if computed > request.num_computed_tokens \
-            else kvm.empty_kv_cache_blocks.blocks
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+
+        def count(tokens: int, main: int, cap: bool) -> int:
+            return kvm.coordinator.get_num_blocks_to_allocate(
+                request_id=request.request_id, num_tokens=tokens, new_computed_blocks=hit,
+                num_encoder_tokens=0, total_computed_tokens=computed,
+                num_local_computed_tokens=computed, num_tokens_main_model=main,
+                apply_admission_cap=cap, prefill_end=prefill_end)
+
+        chunk = min(computed + n + self._lookahead, kvm.max_model_len)
+        need = count(chunk, computed + n, False)
         if self._full_sequence:
-            tokens = main = min(request.num_tokens, kvm.max_model_len)
-        else:
-            main = computed + n
-            tokens = min(main + self._lookahead, kvm.max_model_len)
-        need = kvm.coordinator.get_num_blocks_to_allocate(
-            request_id=request.request_id, num_tokens=tokens, new_computed_blocks=hit,
-            num_encoder_tokens=0, total_computed_tokens=computed,
-            num_local_computed_tokens=computed, num_tokens_main_model=main,
-            apply_admission_cap=self._full_sequence,
-            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+            full = min(request.num_tokens, kvm.max_model_len)
+            need = max(need, count(full, full, True))
         return need + (kvm.watermark_blocks if has_running else 0)
 
     def _hit_blocks_by_group(self, request: Request) -> tuple:
@@ -176,14 +205,31 @@ class CoScheduler:
         vLLM just made)."""
         return self._kvm.get_computed_blocks(request)[0].blocks
 
+    def backstop(self, running: int, scheduled: dict, now: float) -> bool:
+        """After a step: if the call the admission hook let through was not scheduled after
+        all, nothing runs and pins hold blocks, vLLM's allocator refused it, so the count
+        above and vLLM disagreed. Pins then go, least valuable first, until the call's
+        upper bound fits (a stalled engine is the worst outcome a pin can have). Calls that
+        never reached the hook (a guided-decoding grammar still compiling, a paused engine)
+        leave the pins alone. Returns whether it had to act."""
+        admitting, self._admitting = self._admitting, None
+        if admitting is None or running or not len(self.pins):
+            return False
+        request = admitting[0]
+        if request.request_id in scheduled or request.status not in _ADMITTABLE:
+            return False
+        bound = min(self._upper_bound(request), self.total_blocks)
+        self.reclaim(lambda: self._pool.get_num_free_blocks() >= bound, now)
+        return True
+
     def running_chunk(self, request: Request, computed: int, n: int, prefill: bool,
                       session_id: str | None, round_: int | None, now: float) -> int:
         """A running call asks for ``n`` tokens: shrink a prefill chunk to the free blocks,
         else reclaim pins before vLLM falls back to preempting anyone."""
         bs = self._bs
         free = self._pool.get_num_free_blocks()
-        if free * bs >= n + bs:
-            return n  # fast path: plenty of room
+        if free >= self._groups * (-(-n // bs) + 1):
+            return n  # fast path: plenty of room in every group
         held = self.blocks_of(request.request_id)
         fit = (held + free) * bs - computed
         if n <= fit:
@@ -198,8 +244,17 @@ class CoScheduler:
                            requested_tokens=n, granted_tokens=granted)
                 return granted
         if len(self.pins):
-            need_free = -(-(computed + n) // bs) - held
-            self.reclaim(lambda: self._pool.get_num_free_blocks() >= need_free, now)
+            # what vLLM's allocator will ask for this chunk, over every KV cache group
+            kvm = self._kvm
+            need_free = kvm.coordinator.get_num_blocks_to_allocate(
+                request_id=request.request_id,
+                num_tokens=min(computed + n + self._lookahead, kvm.max_model_len),
+                new_computed_blocks=kvm.empty_kv_cache_blocks.blocks, num_encoder_tokens=0,
+                total_computed_tokens=computed, num_local_computed_tokens=computed,
+                num_tokens_main_model=computed + n,
+                prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+            if need_free <= self.total_blocks:
+                self.reclaim(lambda: self._pool.get_num_free_blocks() >= need_free, now)
         return n
 
     # ------------------------------------------------------------------ pins

@@ -232,13 +232,8 @@ class MarsSchedulerMixin:
         self.mars_counters["steps"] += 1
         out = super().schedule(*args, **kwargs)
         n_sched = len(out.num_scheduled_tokens)
-        if not n_sched and not self.running and self.waiting and cosched.pins.pinned_blocks:
-            # Liveness backstop: calls wait, none runs, and pins hold blocks. The admission
-            # hook reclaims what vLLM's own count says a call needs, so this is only reached
-            # if that count and vLLM disagree; a stalled engine is the worst outcome pins can
-            # have, so every pin goes and the next step admits.
+        if cosched.backstop(len(self.running), out.num_scheduled_tokens, now):
             self.mars_counters["stall_released"] += 1
-            cosched.release_all("pressure", now)
         if log is not None and n_sched:
             log.begin(now, scheduled_batch(out))
         self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched) if n_sched \
