@@ -71,7 +71,7 @@ class CoScheduler:
             if all(isinstance(m, _ATTENTION) for m in managers) else None
         self._groups = max(1, len(managers))
         #: the call the admission hook let through last in this step (the backstop's clue)
-        self._admitting: tuple[Request, int, int] | None = None
+        self._admitting: Request | None = None
         self.shrink_on = shrink
         self.pin_on = pin
         headroom = AdmissionHeadroom(headroom_tokens)
@@ -141,7 +141,7 @@ class CoScheduler:
         free = self._pool.get_num_free_blocks()
         headroom = self.headroom
         reserve = headroom.reserve_blocks(running, bs) if (headroom and running) else 0
-        self._admitting = (request, computed, n)
+        self._admitting = request
         if free >= self._upper_bound(request) + reserve:
             return n
         hit = self._hit_blocks_by_group(request) if computed > request.num_computed_tokens \
@@ -184,21 +184,27 @@ class CoScheduler:
         on GPT-OSS-120B: admission saw room, vLLM did not, and with 93 calls waiting,
         none running and 93 % of the pool pinned under InferCept the engine stalled."""
         kvm = self._kvm
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-
-        def count(tokens: int, main: int, cap: bool) -> int:
-            return kvm.coordinator.get_num_blocks_to_allocate(
-                request_id=request.request_id, num_tokens=tokens, new_computed_blocks=hit,
-                num_encoder_tokens=0, total_computed_tokens=computed,
-                num_local_computed_tokens=computed, num_tokens_main_model=main,
-                apply_admission_cap=cap, prefill_end=prefill_end)
-
-        chunk = min(computed + n + self._lookahead, kvm.max_model_len)
-        need = count(chunk, computed + n, False)
+        need = self._blocks_to_allocate(request, computed, computed + n, hit)
         if self._full_sequence:
             full = min(request.num_tokens, kvm.max_model_len)
-            need = max(need, count(full, full, True))
+            need = max(need, self._blocks_to_allocate(request, computed, full, hit,
+                                                      full_sequence=True))
         return need + (kvm.watermark_blocks if has_running else 0)
+
+    def _blocks_to_allocate(self, request: Request, computed: int, main: int, hit: tuple,
+                            full_sequence: bool = False) -> int:
+        """vLLM's own KV coordinator's count of the blocks ``allocate_slots`` takes to
+        grow ``request`` from ``computed`` to ``main`` tokens (plus the lookahead, or the
+        whole sequence with vLLM's admission cap), over every KV cache group: one place for
+        admission and for a running chunk's reclaim to ask it the scheduler's way."""
+        kvm = self._kvm
+        tokens = main if full_sequence else min(main + self._lookahead, kvm.max_model_len)
+        return kvm.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id, num_tokens=tokens, new_computed_blocks=hit,
+            num_encoder_tokens=0, total_computed_tokens=computed,
+            num_local_computed_tokens=computed, num_tokens_main_model=main,
+            apply_admission_cap=full_sequence,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
 
     def _hit_blocks_by_group(self, request: Request) -> tuple:
         """The blocks of the request's prefix-cache hit, per KV cache group (the lookup
@@ -212,10 +218,9 @@ class CoScheduler:
         upper bound fits (a stalled engine is the worst outcome a pin can have). Calls that
         never reached the hook (a guided-decoding grammar still compiling, a paused engine)
         leave the pins alone. Returns whether it had to act."""
-        admitting, self._admitting = self._admitting, None
-        if admitting is None or running or not len(self.pins):
+        request, self._admitting = self._admitting, None
+        if request is None or running or not len(self.pins):
             return False
-        request = admitting[0]
         if request.request_id in scheduled or request.status not in _ADMITTABLE:
             return False
         bound = min(self._upper_bound(request), self.total_blocks)
@@ -245,14 +250,8 @@ class CoScheduler:
                 return granted
         if len(self.pins):
             # what vLLM's allocator will ask for this chunk, over every KV cache group
-            kvm = self._kvm
-            need_free = kvm.coordinator.get_num_blocks_to_allocate(
-                request_id=request.request_id,
-                num_tokens=min(computed + n + self._lookahead, kvm.max_model_len),
-                new_computed_blocks=kvm.empty_kv_cache_blocks.blocks, num_encoder_tokens=0,
-                total_computed_tokens=computed, num_local_computed_tokens=computed,
-                num_tokens_main_model=computed + n,
-                prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+            need_free = self._blocks_to_allocate(request, computed, computed + n,
+                                                 self._kvm.empty_kv_cache_blocks.blocks)
             if need_free <= self.total_blocks:
                 self.reclaim(lambda: self._pool.get_num_free_blocks() >= need_free, now)
         return n
