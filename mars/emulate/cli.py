@@ -5,6 +5,8 @@
     mars emulate step --gpu h200 --model gpt-oss-120b --prefill 8192 --context 32000
     mars emulate compare                      # predictions vs published measurements
     mars emulate calibrate --out runs/cpu-profile.json   # fit the model to this machine's engine
+    mars emulate time-ops --model qwen3-coder-30b-a3b --out ops.json   # on a GPU with PyTorch
+    mars emulate fit-ops ops.json --gpu h100  # fit a GPU profile's efficiencies to those timings
 
 Every number printed is an emulated GPU's (docs/emulation.md says where each coefficient
 comes from and how far the model is from published measurements).
@@ -106,8 +108,13 @@ def _measure(extra: list[str], quick: bool) -> dict:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from mars.vllm_patches.calibration import (DISTURBED_RATIO, CalibrationGrid,
-                                               MeasuredEngine, measure_peaks, run_grid)
+    from mars.vllm_patches.calibration import (
+        DISTURBED_RATIO,
+        CalibrationGrid,
+        MeasuredEngine,
+        measure_peaks,
+        run_grid,
+    )
 
     print("mars emulate calibrate: starting the real engine on this machine (mars-vllm serve "
           f"{' '.join(extra) or '(defaults)'})", file=sys.stderr, flush=True)
@@ -198,6 +205,76 @@ def _print_calibration(prof, fit, m: dict, out, seconds: float) -> None:
           f" P90 {e['p90'] * 100:.1f} %, max {e['max'] * 100:.1f} %) |")
 
 
+def _cmd_time_ops(args: argparse.Namespace) -> int:
+    from mars.emulate import op_timing
+
+    return op_timing.main(args)
+
+
+def _measured_gpu(timings) -> GpuSpec:
+    """The timed device as its own peaks say (for a device with no shipped profile)."""
+    pk, dev = timings.peaks, timings.device
+    if not (pk.get("gemm_flops", 0) > 0 and pk.get("copy_bytes_per_s", 0) > 0):
+        raise ValueError("the timings hold no measured peaks; name a shipped --gpu")
+    tflops = pk["gemm_flops"] / 1e12
+    return GpuSpec(f"measured:{dev.get('name', 'device')}", tflops, 2 * tflops,
+                   pk["copy_bytes_per_s"] / 1e12, float(dev.get("memory_bytes", 0)) / 2**30)
+
+
+def _cmd_fit_ops(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from mars.emulate.op_fit import OPS, OpTimings, fit_op_efficiencies
+    from mars.emulate.published import POINTS, predict
+
+    try:
+        timings = OpTimings.load(args.timings)
+        gpu = _measured_gpu(timings) if args.gpu == "measured" else get_gpu(args.gpu)
+        fit = fit_op_efficiencies(timings, gpu)
+    except ValueError as exc:
+        raise SystemExit(f"mars emulate fit-ops: {exc}") from None
+    dev = timings.device
+    print(f"{timings.model.name}: {fit.samples} operator timings on {dev.get('name', '?')} "
+          f"(torch {dev.get('torch', '?')}, MoE as {timings.moe_impl or '?'}), "
+          f"efficiencies relative to {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s, "
+          f"{gpu.hbm_tb_s:g} TB/s)")
+    pk = timings.peaks
+    if pk:
+        print(f"device peaks measured: {pk.get('gemm_flops', 0) / 1e12:.3g} TFLOP/s GEMM "
+              f"({pk.get('gemm_flops', 0) / gpu.flops:.0%} of spec), "
+              f"{pk.get('copy_bytes_per_s', 0) / 1e12:.3g} TB/s copy "
+              f"({pk.get('copy_bytes_per_s', 0) / gpu.bandwidth:.0%} of spec)")
+    print("\n| coefficient | shipped | fitted |\n|---|---:|---:|")
+    for k in fit.fitted:
+        print(f"| `{k}` | {getattr(fit.base, k):.3g} | {getattr(fit.coefficients, k):.3g} |")
+    print("\n| operator | timings | mean error, shipped | mean error, fitted | max, fitted |")
+    print("|---|---:|---:|---:|---:|")
+    for op in OPS:
+        if op in fit.errors:
+            n = sum(1 for r in timings.records if r.op == op)
+            print(f"| {op} | {n} | {fit.errors_before[op]['mean']:.1%} | "
+                  f"{fit.errors[op]['mean']:.1%} | {fit.errors[op]['max']:.1%} |")
+    pts = [p for p in POINTS if p.gpu == gpu.name and p.model == timings.model.name]
+    if pts:
+        print("\n| published point | measured | shipped | fitted |\n|---|---:|---:|---:|")
+        for p in pts:
+            a, b = predict(p), predict(p, fit.coefficients)
+            print(f"| `{p.key}` | {p.measured:g} | {a:.1f} ({a / p.measured - 1:+.1%}) | "
+                  f"{b:.1f} ({b / p.measured - 1:+.1%}) |")
+    cfg = json.dumps(fit.emulate_config(), separators=(",", ":"))
+    if args.gpu != "measured" and timings.model.name in MODELS:
+        print(f"\nserve with it: mars-vllm serve --emulate {gpu.name}:{timings.model.name} "
+              f"--emulate-config '{cfg}'")
+    else:
+        print(f"\nfitted coefficients (--emulate-config): {cfg}")
+    if args.out:
+        out = Path(args.out)
+        out.write_text(json.dumps(fit.as_dict(timings), indent=1) + "\n")
+        print(f"fit -> {out}")
+    return 0
+
+
 def _plot_fit(points: list, path, name: str) -> None:
     import matplotlib
 
@@ -264,3 +341,28 @@ def register(sub) -> None:
     cal.add_argument("--no-plot", action="store_true",
                      help="no plot of measured vs predicted step times")
     cal.set_defaults(func=_cmd_calibrate)
+    from mars.emulate.op_timing import add_arguments
+
+    tops = esub.add_parser(
+        "time-ops", help="time one layer's operators of a model's real shapes (PyTorch)",
+        description="Time the operators the step-time model prices (projections, experts, "
+                    "attention, LM head) at a model's real shapes on this device with "
+                    "PyTorch, for `mars emulate fit-ops`. Meant for a GPU (minutes on an "
+                    "H100; `python3 -m mars.emulate.op_timing` runs the same where only "
+                    "PyTorch is installed); --device cpu --quick on a small config.json "
+                    "runs in seconds.")
+    add_arguments(tops)
+    tops.set_defaults(func=_cmd_time_ops)
+    fops = esub.add_parser(
+        "fit-ops", help="fit a GPU profile's efficiencies to operator timings",
+        description="Fit the step-time model's GEMM, MoE, attention and memory efficiencies "
+                    "to timings from `mars emulate time-ops`, print the error per operator "
+                    "with the shipped and the fitted coefficients (and against the "
+                    "published measurements of the same GPU and model), and the "
+                    "--emulate-config that serves with the fit (docs/emulation.md).")
+    fops.add_argument("timings", metavar="TIMINGS.json")
+    fops.add_argument("--gpu", required=True,
+                      help=f"the profile whose peaks the efficiencies are relative to: "
+                           f"{', '.join(GPUS)}, or 'measured' (the timed device's own peaks)")
+    fops.add_argument("--out", default=None, metavar="FILE.json", help="write the fit here")
+    fops.set_defaults(func=_cmd_fit_ops)

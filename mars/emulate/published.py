@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from mars.emulate.specs import get_gpu, get_model
-from mars.emulate.step_time import StepTimeModel
+from mars.emulate.step_time import StepCoefficients, StepTimeModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +64,10 @@ POINTS: tuple[Point, ...] = (
 )
 
 
-def predict(p: Point) -> float:
-    m = StepTimeModel(get_model(p.model), get_gpu(p.gpu))
+def predict(p: Point, coefficients: StepCoefficients | None = None) -> float:
+    """The model's value of ``p``'s metric, with the shipped coefficients or ``coefficients``
+    (a fit to operator timings, :mod:`mars.emulate.op_fit`)."""
+    m = StepTimeModel(get_model(p.model), get_gpu(p.gpu), coefficients)
     if p.metric == "tpot_ms":
         return m.decode_step(p.batch, p.context) * 1e3
     if p.metric == "ttft_ms":

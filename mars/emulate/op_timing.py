@@ -1,0 +1,524 @@
+"""Timing one layer's operators of a model's real shapes with PyTorch, to fit a GPU profile.
+
+The shipped GPU profiles price a step from spec-sheet peaks and efficiency factors taken from
+other simulators (docs/emulation.md). Where a GPU is at hand, but vLLM is not, this module
+times the operators the step-time model prices, at the model's **real shapes**, on that
+device, and writes the timings as JSON; :mod:`mars.emulate.op_fit` then fits the model's
+efficiency factors to them (on any machine, no torch needed there)::
+
+    python3 -m mars.emulate.op_timing --model qwen3-coder-30b-a3b --out ops-qwen.json
+    mars emulate fit-ops ops-qwen.json --gpu h100
+
+What is timed, per layer (the step-time model's terms, one layer each):
+
+* ``projections``: the Q/K/V GEMM and the O GEMM of ``T`` tokens;
+* ``moe``: the router GEMM and every expert's gate/up and down GEMMs for ``T`` tokens routed
+  uniformly at random to ``k`` of ``E`` experts (``torch._grouped_mm`` where PyTorch has it,
+  else one GEMM pair per expert); routing and sorting are outside the timed region, as vLLM's
+  fused kernel folds the gather into its loads. A stand-in for vLLM's fused MoE kernel;
+* ``attention``: ``scaled_dot_product_attention`` of ``B`` requests, each ``n`` new tokens over
+  ``c`` cached ones (decode: ``n = 1``; a prefill chunk: causal, aligned to the end of the
+  keys), grouped-query where the backend supports it;
+* ``logits``: the LM head GEMM of ``R`` requests' last tokens;
+* the device's own peaks: a large BF16 GEMM and a device-to-device copy.
+
+Caveats, recorded in the file and in the docs: weights and KV are timed in the compute dtype
+(BF16; gpt-oss's MXFP4 experts cannot run as MXFP4 in PyTorch, so the fit prices the bytes
+actually moved and applies the fitted efficiencies to MXFP4 bytes); PyTorch's attention
+kernels do not split long decodes across the KV (flash-decoding), so small decode batches
+time slower than vLLM's kernels would; nothing of vLLM's host-side work (scheduling,
+sampling, output processing) is here, so the per-step, per-layer and per-request overheads
+are not fitted. Each operand is rotated over enough copies to exceed the device's last-level
+cache several times, as in a real forward pass where other layers' weights evict it.
+
+Imports only the standard library and :mod:`mars.emulate.specs` at module level; torch is
+imported when timing starts, so the file can travel to a GPU machine that has PyTorch alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mars.emulate.specs import ModelSpec, get_model, model_from_hf_config
+
+FORMAT = "mars-op-timings/1"
+#: operand copies are rotated until they exceed the last-level cache this many times
+_CACHE_MULTIPLE = 4
+_MAX_COPIES = 64
+#: where the last-level cache is taken to be when the device does not report it (bytes)
+_DEFAULT_CACHE = 32 * 2**20
+#: expanded K/V (where the backend has no grouped-query path) beyond this is not timed
+#: (bytes)
+MAX_EXPANDED_KV_BYTES = 24 * 2**30
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class OpGrid:
+    """The points timed. The default spans what the paper's set-ups run: single decodes to
+    256-request batches, 1K to 128K-token contexts, and vLLM's 8K-token prefill chunks."""
+
+    #: tokens per step for the projections and the experts
+    tokens: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+    #: decode batches and the context each request attends to
+    decode_batches: tuple[int, ...] = (1, 8, 32, 128, 256)
+    contexts: tuple[int, ...] = (1024, 8192, 32768, 131072)
+    #: prefill chunks, over no cached context and over each of ``contexts``
+    prefill_chunks: tuple[int, ...] = (512, 2048, 8192)
+    #: requests whose last token goes through the LM head
+    logits_requests: tuple[int, ...] = (1, 16, 64, 256)
+    #: the most KV tokens one attention point may hold (per layer), to bound memory
+    max_kv_tokens: int = 4_200_000
+    warmup: int = 3
+    repeats: int = 10
+    #: the square GEMM and the copy that measure the device's own peaks
+    peak_gemm: int = 8192
+    peak_copy_bytes: int = 2 * 2**30
+
+    @classmethod
+    def quick(cls) -> OpGrid:
+        """A small grid for a CPU and the tests (seconds on a small model)."""
+        return cls(tokens=(1, 8, 64), decode_batches=(1, 4), contexts=(256, 1024),
+                   prefill_chunks=(64,), logits_requests=(1, 8), max_kv_tokens=65536,
+                   warmup=1, repeats=3, peak_gemm=512, peak_copy_bytes=32 * 2**20)
+
+    def attention_points(self, max_len: int) -> list[tuple[int, int, int]]:
+        """``(requests, new, context)`` for every decode and prefill point that fits."""
+        pts = [(b, 1, c) for c in self.contexts for b in self.decode_batches
+               if c < max_len and b * c <= self.max_kv_tokens]
+        for n in self.prefill_chunks:
+            for c in (0, *self.contexts):
+                if c + n <= max_len and c + n <= self.max_kv_tokens:
+                    pts.append((1, n, c))
+        return pts
+
+
+def largest_operands(model: ModelSpec, grid: OpGrid, dtype_bytes: int,
+                     cache_bytes: int = _DEFAULT_CACHE) -> int:
+    """Bytes of the largest set of operands one point of ``grid`` holds at once (with its
+    rotated copies): what the device's memory must hold, with room to spare."""
+    def with_copies(b: float) -> float:
+        return b * max(1, min(_MAX_COPIES, math.ceil(_CACHE_MULTIPLE * cache_bytes / b)))
+
+    el = dtype_bytes
+    sizes = [with_copies(model.attn_params * el), with_copies(model.hidden * model.vocab * el)]
+    if model.num_experts:
+        sizes.append(with_copies(model.num_experts * model.expert_params * el))
+    for b, n, c in grid.attention_points(model.max_model_len):
+        sizes.append(with_copies(2 * b * (c + n) * model.num_kv_heads * model.head_dim * el))
+    return int(max(sizes))
+
+
+class _Clock:
+    """Seconds per call of ``fn``: on CUDA, device events around the calls replayed as one
+    CUDA graph (vLLM runs decode steps as graphs, so the host's launch gaps are not the
+    GPU's time; eager launches where capture fails), else the wall clock."""
+
+    def __init__(self, torch, device, graphs: bool = True) -> None:
+        self.torch, self.device = torch, device
+        self.cuda = device.type == "cuda"
+        self.graphs = graphs and self.cuda
+        #: whether the last timing ran as a CUDA graph
+        self.graphed = False
+
+    def per_call(self, fn: Callable[[int], Any], warmup: int, repeats: int) -> float:
+        self.graphed = False
+        if self.graphs:
+            try:
+                return self._graphed(fn, warmup, repeats)
+            except (RuntimeError, NotImplementedError):
+                self.torch.cuda.synchronize()
+        for i in range(warmup):
+            fn(i)
+        if self.cuda:
+            t = self.torch.cuda
+            t.synchronize()
+            start, end = t.Event(enable_timing=True), t.Event(enable_timing=True)
+            start.record()
+            for i in range(repeats):
+                fn(i)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeats
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            fn(i)
+        return (time.perf_counter() - t0) / repeats
+
+    def _graphed(self, fn: Callable[[int], Any], warmup: int, repeats: int) -> float:
+        t = self.torch.cuda
+        side = t.Stream()
+        side.wait_stream(t.current_stream())
+        with t.stream(side):  # warm up off the default stream, as capture requires
+            for i in range(max(1, warmup)):
+                fn(i)
+        t.current_stream().wait_stream(side)
+        graph = t.CUDAGraph()
+        with t.graph(graph):
+            for i in range(repeats):
+                fn(i)
+        graph.replay()
+        t.synchronize()
+        start, end = t.Event(enable_timing=True), t.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        self.graphed = True
+        return start.elapsed_time(end) / 1e3 / repeats
+
+
+class OpTimer:
+    """Times one layer's operators of ``model`` on ``device`` (a torch device string)."""
+
+    def __init__(self, model: ModelSpec, device: str = "cuda", dtype: str = "bfloat16",
+                 grid: OpGrid | None = None, seed: int = 0,
+                 progress: Callable[[str], None] | None = None, graphs: bool = True) -> None:
+        import torch
+
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+        self.torch, self.model = torch, model
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("no CUDA device is visible to PyTorch (use --device cpu)")
+        self.dtype, self.dtype_name = getattr(torch, dtype), dtype
+        self.grid = grid or OpGrid()
+        self.clock = _Clock(torch, self.device, graphs)
+        torch.manual_seed(seed)  # operands are drawn on the device
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)  # routing
+        self._weights: dict[str, list] = {}
+        self.progress = progress or (lambda _msg: None)
+        self.cache_bytes = self._cache_bytes()
+        #: time attention with K/V expanded to the query heads even where the backend has
+        #: a grouped-query path (a test of the fallback)
+        self.force_expanded = False
+        self.moe_impl = "grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert"
+
+    # ------------------------------------------------------------------ helpers
+    def _cache_bytes(self) -> int:
+        if self.device.type == "cuda":
+            props = self.torch.cuda.get_device_properties(self.device)
+            return int(getattr(props, "L2_cache_size", 0) or _DEFAULT_CACHE)
+        return _DEFAULT_CACHE
+
+    def _rand(self, *shape: int):
+        return self.torch.empty(*shape, device=self.device, dtype=self.dtype).normal_(0, 0.02)
+
+    def _weight_set(self, name: str, make: Callable[[], Any], bytes_each: int) -> list:
+        """Copies of one layer's weights, made once and kept for every point of the grid."""
+        if name not in self._weights:
+            self._weights[name] = [make() for _ in range(self._copies(bytes_each))]
+        return self._weights[name]
+
+    def _copies(self, bytes_each: int) -> int:
+        """Copies of an operand to rotate over so the set exceeds the cache several times."""
+        need = math.ceil(_CACHE_MULTIPLE * self.cache_bytes / max(1, bytes_each))
+        return max(1, min(_MAX_COPIES, need))
+
+    def _time(self, fn: Callable[[int], Any]) -> float:
+        g = self.grid
+        with self.torch.inference_mode():
+            return self.clock.per_call(fn, g.warmup, g.repeats)
+
+    def _free(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+
+    def _drop(self, name: str) -> None:
+        self._weights.pop(name, None)
+        self._free()
+
+    # ------------------------------------------------------------------ operators
+    def projections(self, tokens: int) -> float:
+        m, el = self.model, _DTYPE_BYTES[self.dtype_name]
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        ws = self._weight_set("projections", lambda: (self._rand(m.hidden, q + 2 * kv),
+                                                      self._rand(q, m.hidden)),
+                              m.attn_params * el)
+        x, a = self._rand(tokens, m.hidden), self._rand(tokens, q)
+
+        def run(i: int):
+            wqkv, wo = ws[i % len(ws)]
+            return x @ wqkv, a @ wo
+
+        return self._time(run)
+
+    def moe(self, tokens: int) -> float:
+        torch, m = self.torch, self.model
+        E, k, h, inter = m.num_experts, m.experts_per_token, m.hidden, m.expert_intermediate
+        el = _DTYPE_BYTES[self.dtype_name]
+        # stored (expert, out, in) and used transposed, the layout grouped GEMMs take
+        ws = self._weight_set("moe", lambda: (self._rand(E, 2 * inter, h),
+                                              self._rand(E, h, inter), self._rand(h, E)),
+                              E * m.expert_params * el)
+        n = len(ws)
+        x = self._rand(tokens, h)
+        # uniform routing: each token to k distinct experts, tokens sorted by expert
+        choice = torch.rand(tokens, E, generator=self.gen).topk(k, dim=1).indices.flatten()
+        order = choice.argsort(stable=True)
+        counts = torch.bincount(choice, minlength=E)
+        xs = x[order.to(self.device) // k].contiguous()
+        offs = counts.cumsum(0).to(device=self.device, dtype=torch.int32)
+        bounds = [0, *counts.cumsum(0).tolist()]
+        used = [e for e in range(E) if bounds[e + 1] > bounds[e]]
+        silu = torch.nn.functional.silu
+
+        def grouped(i: int):
+            w13, w2, wr = ws[i % n]
+            x @ wr
+            gu = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+            g, u = gu[:, :inter], gu[:, inter:]
+            return torch._grouped_mm(silu(g) * u, w2.transpose(-2, -1), offs=offs)
+
+        def per_expert(i: int):
+            w13, w2, wr = ws[i % n]
+            x @ wr
+            outs = []
+            for e in used:
+                gu = xs[bounds[e]:bounds[e + 1]] @ w13[e].t()
+                outs.append((silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].t())
+            return outs
+
+        fn = per_expert
+        if self.moe_impl == "grouped_mm":
+            try:
+                grouped(0)
+                fn = grouped
+            except (RuntimeError, NotImplementedError, TypeError):
+                self.moe_impl = "per-expert"
+        return self._time(fn)
+
+    def attention(self, requests: int, new: int, context: int) -> tuple[float | str, bool]:
+        """Seconds (or why the point was skipped), and whether K/V were read with their own
+        heads (grouped-query) or had to be expanded to the query heads first, where the
+        backend has no grouped-query path for the point (the kernel then reads that many
+        times more K/V; the fit prices what was read)."""
+        torch, m = self.torch, self.model
+        F = torch.nn.functional
+        keys = context + new
+        el = _DTYPE_BYTES[self.dtype_name]
+        kv_bytes = 2 * requests * keys * m.num_kv_heads * m.head_dim * el
+        rep = m.num_heads // m.num_kv_heads
+        n = self._copies(kv_bytes)
+        mask: Any = None
+        causal = new > 1 and context == 0
+        if new > 1 and context > 0:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(new, keys)  # a chunk's queries are the keys' last
+        q = self._rand(requests, m.num_heads, new, m.head_dim)
+        kvs = [(self._rand(requests, m.num_kv_heads, keys, m.head_dim),
+                self._rand(requests, m.num_kv_heads, keys, m.head_dim)) for _ in range(n)]
+
+        def call(i: int, gqa: bool):
+            k, v = kvs[i % n]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=gqa)
+
+        with self._fast_attention():
+            gqa = rep == 1 or not self.force_expanded
+            if gqa and rep > 1:
+                try:
+                    call(0, True)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    gqa = False
+            if not gqa:
+                if kv_bytes * rep > MAX_EXPANDED_KV_BYTES:
+                    return "no grouped-query kernel; expanded K/V too large", False
+                kvs = [(k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+                       for k, v in kvs]
+            try:
+                s: float | str = self._time(lambda i: call(i, gqa and rep > 1))
+            except (RuntimeError, NotImplementedError) as exc:  # OOM, no kernel
+                s = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return s, gqa
+
+    def _fast_attention(self):
+        """On CUDA, only the fused attention kernels: an error rather than the math
+        fallback, which materializes the score matrix (and would time something else)."""
+        import contextlib
+
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                            SDPBackend.EFFICIENT_ATTENTION])
+
+    def logits(self, requests: int) -> float:
+        m = self.model
+        w = self._weight_set("logits", lambda: self._rand(m.hidden, m.vocab),
+                             m.hidden * m.vocab * _DTYPE_BYTES[self.dtype_name])
+        x = self._rand(requests, m.hidden)
+        return self._time(lambda i: x @ w[i % len(w)])
+
+    def peaks(self) -> dict[str, float]:
+        """The device's own dense GEMM rate (FLOP/s) and copy bandwidth (bytes/s, read plus
+        write): what the efficiencies are measured against besides the spec sheet."""
+        out = {"gemm_flops": self._peak_gemm(), "copy_bytes_per_s": self._peak_copy()}
+        self._free()
+        return out
+
+    def _peak_gemm(self) -> float:
+        N = self.grid.peak_gemm
+        a, b = self._rand(N, N), self._rand(N, N)
+        return 2 * N ** 3 / self._time(lambda _i: a @ b)
+
+    def _peak_copy(self) -> float:
+        el = _DTYPE_BYTES[self.dtype_name]
+        elems = self.grid.peak_copy_bytes // (2 * el)
+        src = self._rand(elems)
+        dst = self.torch.empty_like(src)
+        return 2 * elems * el / self._time(lambda _i: dst.copy_(src))
+
+    # ------------------------------------------------------------------ the whole grid
+    def run(self, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Every point of the grid. ``checkpoint`` gets the timings so far after each
+        operator (``"complete": false``), so a run cut short on a lent machine keeps them."""
+        g, m = self.grid, self.model
+        records: list[dict[str, Any]] = []
+        skipped: list[dict[str, Any]] = []
+        att = g.attention_points(m.max_model_len)
+        total = len(g.tokens) * (1 + bool(m.num_experts)) + len(att) \
+            + len(g.logits_requests) + 1
+        done = 0
+
+        def note(what: str) -> None:
+            nonlocal done
+            done += 1
+            self.progress(f"[{done}/{total}] {what}")
+
+        def result(complete: bool) -> dict[str, Any]:
+            return {"format": FORMAT, "model": m.name, "model_spec": asdict(m),
+                    "device": self.describe(), "dtype": self.dtype_name,
+                    "dtype_bytes": _DTYPE_BYTES[self.dtype_name], "moe_impl": self.moe_impl,
+                    "peaks": peaks, "grid": asdict(g), "records": records,
+                    "skipped_attention": skipped, "complete": complete}
+
+        def saved() -> None:
+            if checkpoint is not None:
+                checkpoint(result(False))
+
+        peaks = self.peaks()
+        note("device peaks")
+        for t in g.tokens:
+            records.append({"op": "projections", "tokens": t, "seconds": self.projections(t),
+                            "graph": self.clock.graphed})
+            note(f"projections T={t}")
+        self._drop("projections")
+        saved()
+        if m.num_experts:
+            for t in g.tokens:
+                records.append({"op": "moe", "tokens": t, "seconds": self.moe(t),
+                                "graph": self.clock.graphed})
+                note(f"moe T={t}")
+            self._drop("moe")
+            saved()
+        for b, n, c in att:
+            s, gqa = self.attention(b, n, c)
+            if isinstance(s, str):
+                skipped.append({"requests": b, "new": n, "context": c, "why": s})
+            else:
+                records.append({"op": "attention", "requests": b, "new": n, "context": c,
+                                "seconds": s, "gqa": gqa, "graph": self.clock.graphed})
+            note(f"attention B={b} new={n} context={c}" + (f" (skipped: {s})"
+                                                           if isinstance(s, str) else ""))
+        saved()
+        for r in g.logits_requests:
+            records.append({"op": "logits", "requests": r, "seconds": self.logits(r),
+                            "graph": self.clock.graphed})
+            note(f"logits R={r}")
+        self._drop("logits")
+        return result(True)
+
+    def describe(self) -> dict[str, Any]:
+        torch = self.torch
+        d: dict[str, Any] = {"type": self.device.type, "torch": torch.__version__,
+                             "host": platform.node(), "cache_bytes": self.cache_bytes,
+                             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            d.update(name=p.name, multiprocessors=p.multi_processor_count,
+                     memory_bytes=p.total_memory, cuda=torch.version.cuda)
+        else:
+            d.update(name=platform.processor() or platform.machine(),
+                     threads=torch.get_num_threads())
+        return d
+
+
+def load_model(spec: str) -> ModelSpec:
+    """A shipped model name, or the path of a Hugging Face ``config.json``."""
+    p = Path(spec)
+    if spec.endswith(".json") or p.is_file():
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read model config {spec}: {exc}") from None
+        return model_from_hf_config(p.stem, cfg)
+    return get_model(spec)
+
+
+def build_parser(prog: str = "python -m mars.emulate.op_timing") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Time one layer's operators of a model's real shapes with "
+        "PyTorch on this device (for `mars emulate fit-ops`). Minutes on an H100.")
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="a shipped model (qwen3-coder-30b-a3b, gpt-oss-120b) or a config.json")
+    p.add_argument("--out", required=True, metavar="FILE.json", help="timings to write")
+    p.add_argument("--device", default="cuda", help="torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES),
+                   help="compute, weight and KV dtype (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small grid (seconds on a small model; for a CPU and the tests)")
+    p.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="launch eagerly on CUDA (default: replay the timed calls as a CUDA "
+                        "graph, as vLLM runs decode steps)")
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise SystemExit("--out must name a .json file")
+    try:
+        model = load_model(args.model)
+        timer = OpTimer(model, args.device, args.dtype,
+                        OpGrid.quick() if args.quick else OpGrid(), args.seed,
+                        progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                        graphs=not args.no_graphs)
+    except ValueError as exc:
+        raise SystemExit(f"op timing: {exc}") from None
+    big = largest_operands(model, timer.grid, _DTYPE_BYTES[args.dtype], timer.cache_bytes)
+    print(f"timing {model.name} on {args.device}: largest operand set {big / 2**30:.1f} GiB",
+          file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(data: dict[str, Any]) -> None:
+        data["elapsed_s"] = round(time.monotonic() - t0, 1)
+        out.write_text(json.dumps(data, indent=1) + "\n")
+
+    data = timer.run(checkpoint=write)
+    write(data)
+    print(f"{len(data['records'])} timings of {model.name} on {data['device'].get('name')} "
+          f"in {data['elapsed_s']} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(build_parser().parse_args()))
