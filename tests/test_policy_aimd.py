@@ -144,15 +144,18 @@ def test_cpu_cap_tightens_as_active_tools_exceed_cores():
 
 
 def _tools(st, ctl, in_use: int, t0: int, t1: int, duration: float, long_every: int = 0,
-           ends: list | None = None):
+           ends: list | None = None, kv_util: float | None = 0.8):
     """Each of 10 sessions starts a tool every 10 s (1 start/s overall), each running
     ``duration`` s (every ``long_every``-th one 25x longer); the controller steps every
-    0.5 s. ``ends``: the calls still running (pass the same list to go on). Returns the last
-    decision."""
+    0.5 s with the KV cache at ``kv_util`` (default past the knee, where the Little's-law
+    share binds; None: no snapshot). ``ends``: the calls still running (pass the same list
+    to go on). Returns the last decision."""
     ends = [] if ends is None else ends
     d = None
     for k in range(2 * t0, 2 * t1):
         now = k / 2
+        if kv_util is not None and k % 2 == 0:
+            kv(st, now, kv_util)
         while ends and ends[0][0] <= now:
             te, i, dur = ends.pop(0)
             st.observe(make_event("tool_end", session_id=f"s{i % 10}", ts=te, tool="bash",
@@ -180,6 +183,37 @@ def test_cpu_cap_follows_littles_law_from_the_running_tools():
     # tools get twice as slow -> the cap halves
     d = _tools(st, ctl, 10, 200, 400, 8.0, ends=running)
     assert d.cpu_cap == pytest.approx(10.0, rel=0.06)
+
+
+def test_the_share_binds_only_while_the_kv_cache_is_past_its_knee():
+    """Coupled CPU cap: with KV to spare a host backlog strands nothing on the GPU, so the
+    Little's-law share does not hold sessions outside; past the knee it does. The same tool
+    stream, three KV levels; and with the coupling off, the share binds at any level."""
+    caps = {}
+    for util in (None, 0.3, 0.69, 0.8):
+        ctl = WindowController(AIMDConfig(max_window=64, cpu_rate_tau_s=60,
+                                          cpu_rate_min_session_s=30, kv_knee=0.7))
+        st = DualPressureState(PressureConfig(tool_cores=8))
+        d = _tools(st, ctl, 10, 0, 200, 4.0, kv_util=util)
+        assert ctl.tools_per_session(st.signals(200.0)) == pytest.approx(0.4, rel=0.05)
+        caps[util] = d.cpu_cap
+    assert caps[None] == caps[0.3] == caps[0.69] == 64.0
+    assert caps[0.8] == pytest.approx(20.0, rel=0.05)
+    ctl = WindowController(AIMDConfig(max_window=64, cpu_rate_tau_s=60,
+                                      cpu_rate_min_session_s=30, cpu_cap_coupled=False))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    assert _tools(st, ctl, 10, 0, 200, 4.0, kv_util=0.3).cpu_cap == pytest.approx(20.0, rel=0.05)
+
+
+def test_the_backlog_guard_binds_at_any_kv_utilisation():
+    """Tools already beyond the cores are contention now, not a forecast: admission stops
+    (cap below the admitted sessions) with the KV cache nearly empty too."""
+    ctl = WindowController(AIMDConfig(max_window=64))
+    st = DualPressureState(PressureConfig(tool_cores=4))
+    kv(st, 0.0, 0.2)
+    tools(st, 0.0, 8)
+    d = ctl.update(st, in_use=10, now=0.0)
+    assert d.cpu_cap == pytest.approx(10 * 4 / 8) and d.budget == 5
 
 
 def test_one_long_tool_moves_the_cpu_cap_by_its_share_only():

@@ -30,10 +30,13 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
 * **Soft KV cap.** KV utilisation becomes a cap that tightens smoothly from the knee to full
   (:func:`kv_soft_cap`), so admission slows before memory runs out instead of flipping between
   admit and stop at a threshold.
-* **CPU cap from Little's law.** Tool concurrency = admitted sessions x the running tools per
-  session (time-averaged); the cap is the session count that keeps that at
-  ``tool_cores * cpu_target_load`` (:func:`cpu_little_cap`), plus a backlog guard when tools
-  already exceed the cores.
+* **CPU cap from Little's law, coupled to the KV cache.** Tool concurrency = admitted
+  sessions x the running tools per session (time-averaged); the cap is the session count that
+  keeps that at ``tool_cores * cpu_target_load`` (:func:`cpu_little_cap`), plus a backlog
+  guard when tools already exceed the cores. The share part binds only while the KV cache is
+  past its knee (``cpu_cap_coupled``): a host backlog costs the GPU only when it strands
+  scarce GPU capacity, and with KV to spare a held session's GPU rounds would have
+  overlapped the others' tools.
 
 Time is passed in; nothing here reads a clock.
 """
@@ -129,6 +132,13 @@ class AIMDConfig:
     cpu_rate_tau_s: float = 60.0
     #: Admitted session-seconds needed before the share is trusted.
     cpu_rate_min_session_s: float = 30.0
+    #: Coupled CPU cap: the Little's-law share binds only while KV utilisation is past
+    #: ``kv_knee`` (where the KV soft cap starts to bind). Tools backed up on the host strand
+    #: GPU capacity only when that capacity is scarce (paper §2: "congestion on one side can
+    #: strand capacity on the other"); with KV to spare, a session held outside only waits
+    #: for GPU work that would overlap the other sessions' tools. The backlog guard (tools
+    #: already beyond the cores) and the CPU overload band apply at any KV utilisation.
+    cpu_cap_coupled: bool = True
 
     def __post_init__(self) -> None:
         if self.min_window < 1:
@@ -357,9 +367,20 @@ class WindowController:
         return self._share.share(self.config.cpu_rate_min_session_s)
 
     def cpu_cap(self, sig: PressureSignals, in_use: int) -> float:
+        """Little's-law CPU cap with its backlog guard; with ``cpu_cap_coupled`` the share
+        part binds only while the KV cache is past the knee (unknown KV: not past it, as
+        for the KV cap)."""
         c = self.config
-        return cpu_little_cap(sig.tool_cores, c.cpu_target_load, self.tools_per_session(sig),
+        share = self.tools_per_session(sig)
+        if c.cpu_cap_coupled and not self.kv_scarce(sig):
+            share = None
+        return cpu_little_cap(sig.tool_cores, c.cpu_target_load, share,
                               c.min_window, c.max_window, sig.active_tools, in_use)
+
+    def kv_scarce(self, sig: PressureSignals) -> bool:
+        """KV utilisation past the knee: where the KV soft cap binds."""
+        u = sig.kv_utilisation
+        return u is not None and u > self.config.kv_knee
 
     # ------------------------------------------------------------------ UpdateWindow
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
