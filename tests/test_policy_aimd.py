@@ -144,11 +144,11 @@ def test_cpu_cap_tightens_as_active_tools_exceed_cores():
 
 
 def _tools(st, ctl, in_use: int, t0: int, t1: int, duration: float, long_every: int = 0,
-           ends: list | None = None, kv_util: float | None = 0.8):
+           ends: list | None = None, kv_util: float | None = None):
     """Each of 10 sessions starts a tool every 10 s (1 start/s overall), each running
     ``duration`` s (every ``long_every``-th one 25x longer); the controller steps every
-    0.5 s with the KV cache at ``kv_util`` (default past the knee, where the Little's-law
-    share binds; None: no snapshot). ``ends``: the calls still running (pass the same list
+    0.5 s with the KV cache at ``kv_util`` (default: no snapshot, so KV counts as scarce and
+    the Little's-law share binds in full). ``ends``: the calls still running (pass the same list
     to go on). Returns the last decision."""
     ends = [] if ends is None else ends
     d = None
@@ -185,20 +185,31 @@ def test_cpu_cap_follows_littles_law_from_the_running_tools():
     assert d.cpu_cap == pytest.approx(10.0, rel=0.06)
 
 
-def test_the_share_binds_only_while_the_kv_cache_is_past_its_knee():
+def test_the_share_phases_in_as_the_kv_cache_becomes_scarce():
     """Coupled CPU cap: with KV to spare a host backlog strands nothing on the GPU, so the
-    Little's-law share does not hold sessions outside; past the knee it does. The same tool
-    stream, three KV levels; and with the coupling off, the share binds at any level."""
+    Little's-law share does not hold sessions outside; it phases in along the KV soft cap's
+    ramp (no admit/stop threshold at the knee) and binds in full at a full or unknown KV
+    cache. The same tool stream at several KV levels; with the coupling off, the share binds
+    at any level."""
     caps = {}
-    for util in (None, 0.3, 0.69, 0.8):
+    for util in (None, 0.3, 0.7, 0.71, 0.8, 0.9, 0.99, 1.0):
         ctl = WindowController(AIMDConfig(max_window=64, cpu_rate_tau_s=60,
-                                          cpu_rate_min_session_s=30, kv_knee=0.7))
+                                          cpu_rate_min_session_s=30, kv_knee=0.7,
+                                          kv_cap_exponent=2.0))
         st = DualPressureState(PressureConfig(tool_cores=8))
         d = _tools(st, ctl, 10, 0, 200, 4.0, kv_util=util)
         assert ctl.tools_per_session(st.signals(200.0)) == pytest.approx(0.4, rel=0.05)
         caps[util] = d.cpu_cap
-    assert caps[None] == caps[0.3] == caps[0.69] == 64.0
-    assert caps[0.8] == pytest.approx(20.0, rel=0.05)
+    share = caps[None]
+    assert share == pytest.approx(20.0, rel=0.05) and caps[1.0] == share
+    assert caps[0.3] == caps[0.7] == 64.0
+    assert 63.0 < caps[0.71] < 64.0  # just past the knee: a sliver, not a step
+    # weight ((u - 0.7) / 0.3) ** 2 of the way from the ceiling down to the share's cap
+    for u in (0.8, 0.9, 0.99):
+        w = ((u - 0.7) / 0.3) ** 2
+        assert caps[u] == pytest.approx(64.0 - w * (64.0 - share), rel=1e-6)
+    levels = [caps[u] for u in (0.3, 0.7, 0.71, 0.8, 0.9, 0.99, 1.0)]
+    assert levels == sorted(levels, reverse=True)
     ctl = WindowController(AIMDConfig(max_window=64, cpu_rate_tau_s=60,
                                       cpu_rate_min_session_s=30, cpu_cap_coupled=False))
     st = DualPressureState(PressureConfig(tool_cores=8))

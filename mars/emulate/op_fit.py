@@ -39,6 +39,8 @@ OPS = ("projections", "moe", "attention", "logits")
 FITTED = ("gemm_efficiency", "moe_efficiency", "attention_efficiency", "memory_efficiency")
 _FLOOR = 1e-4
 FIT_FORMAT = "mars-op-fit/1"
+#: timings that must depend on an efficiency for it to be fitted (else it stays shipped)
+MIN_BINDING = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,10 @@ class OpTimings:
     device: dict[str, Any] = field(default_factory=dict)
     peaks: dict[str, float] = field(default_factory=dict)
     moe_impl: str = ""
+    #: False when the run was cut short (the file holds the operators timed so far)
+    complete: bool = True
+    #: attention points that could not be timed, and why
+    skipped: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OpTimings:
@@ -103,7 +109,9 @@ class OpTimings:
         if not recs:
             raise ValueError("operator timings hold no records")
         return cls(model, el, tuple(recs), dict(d.get("device") or {}),
-                   dict(d.get("peaks") or {}), str(d.get("moe_impl") or ""))
+                   dict(d.get("peaks") or {}), str(d.get("moe_impl") or ""),
+                   bool(d.get("complete", True)),
+                   tuple(dict(x) for x in d.get("skipped_attention") or ()))
 
     @classmethod
     def load(cls, path: str | Path) -> OpTimings:
@@ -159,6 +167,9 @@ class OpFit:
     errors_before: dict[str, dict[str, float]]
     samples: int
     fitted: tuple[str, ...]
+    #: efficiencies kept at their shipped value: fewer than :data:`MIN_BINDING` timings
+    #: depend on them (say, attention compute with only decodes timed)
+    kept: tuple[str, ...] = ()
 
     def emulate_config(self) -> dict[str, Any]:
         """What ``mars-vllm serve --emulate GPU:MODEL --emulate-config`` takes."""
@@ -167,7 +178,7 @@ class OpFit:
 
     def as_dict(self, timings: OpTimings | None = None) -> dict[str, Any]:
         d = {"format": FIT_FORMAT, "gpu": self.gpu.name, "model": self.model.name,
-             "samples": self.samples, "fitted": list(self.fitted),
+             "samples": self.samples, "fitted": list(self.fitted), "kept": list(self.kept),
              "emulate_config": self.emulate_config(),
              "abs_relative_error": _rounded(self.errors),
              "abs_relative_error_shipped": _rounded(self.errors_before)}
@@ -198,31 +209,56 @@ def fit_op_efficiencies(timings: OpTimings, gpu: GpuSpec,
     timed operator depends on (MoE on a dense model) keeps its shipped value."""
     base = base or StepCoefficients()
     recs = list(timings.records)
-    ops = {r.op for r in recs}
-    fitted = tuple(f for f in FITTED if f != "moe_efficiency" or "moe" in ops)
-    if len(recs) < 2 * len(fitted):
-        raise ValueError(f"{len(recs)} timings; the fit needs at least {2 * len(fitted)}")
+    if len(recs) < 2 * len(FITTED):
+        raise ValueError(f"{len(recs)} timings; the fit needs at least {2 * len(FITTED)}")
     pred = OpPredictor(timings.model, gpu, timings.dtype_bytes)
     works = pred.works(recs)
     logs = [math.log(r.seconds) for r in recs]
+    ops = {r.op for r in recs}
     weights = [1.0 / sum(1 for q in recs if q.op == r.op) / len(ops) for r in recs]
 
-    def coef_of(x: Sequence[float]) -> StepCoefficients:
-        return replace(base, **{k: min(1.0, max(_FLOOR, math.exp(v)))
-                                for k, v in zip(fitted, x)})
+    def search(names: tuple[str, ...]) -> StepCoefficients:
+        def coef_of(x: Sequence[float]) -> StepCoefficients:
+            return replace(base, **{k: min(1.0, max(_FLOOR, math.exp(v)))
+                                    for k, v in zip(names, x)})
 
-    def loss(x: list[float]) -> float:
-        p = pred.predict(coef_of(x), recs, works)
-        return sum(w * robust_loss(math.log(t) - lt, loss_scale)
-                   for w, t, lt in zip(weights, p, logs))
+        def loss(x: list[float]) -> float:
+            p = pred.predict(coef_of(x), recs, works)
+            return sum(w * robust_loss(math.log(t) - lt, loss_scale)
+                       for w, t, lt in zip(weights, p, logs))
 
-    best_x, best_v = None, math.inf
-    for start in (0.5, 0.1):
-        x, v = nelder_mead(loss, [math.log(start)] * len(fitted))
-        x, v = nelder_mead(loss, x, step=0.3)  # restart: Nelder-Mead can stall
-        if v < best_v:
-            best_x, best_v = x, v
-    coef = coef_of(best_x)
+        best_x, best_v = None, math.inf
+        for start in (0.5, 0.1):
+            x, v = nelder_mead(loss, [math.log(start)] * len(names))
+            x, v = nelder_mead(loss, x, step=0.3)  # restart: Nelder-Mead can stall
+            if v < best_v:
+                best_x, best_v = x, v
+        return coef_of(best_x)
+
+    # an efficiency no timing depends on at the optimum (each term is a max of compute and
+    # memory) would be fitted to nothing: keep it shipped and fit the others again
+    fitted = FITTED
+    coef = search(fitted)
+    for _ in range(len(FITTED)):
+        binding = _binding_counts(pred, coef, recs, works, fitted)
+        weak = tuple(k for k in fitted if binding[k] < MIN_BINDING)
+        if not weak:
+            break
+        fitted = tuple(k for k in fitted if k not in weak)
+        coef = replace(search(fitted) if fitted else base,
+                       **{k: getattr(base, k) for k in FITTED if k not in fitted})
     return OpFit(gpu, timings.model, coef, base,
                  _errors(pred.predict(coef, recs, works), recs),
-                 _errors(pred.predict(base, recs, works), recs), len(recs), fitted)
+                 _errors(pred.predict(base, recs, works), recs), len(recs), fitted,
+                 tuple(k for k in FITTED if k not in fitted))
+
+
+def _binding_counts(pred: OpPredictor, coef: StepCoefficients, recs: Sequence[OpTiming],
+                    works: Sequence, names: Sequence[str]) -> dict[str, int]:
+    """For each efficiency, the timings whose prediction moves when it moves (by 1 %)."""
+    at = pred.predict(coef, recs, works)
+    out = {}
+    for k in names:
+        moved = pred.predict(replace(coef, **{k: getattr(coef, k) * 0.99}), recs, works)
+        out[k] = sum(1 for a, b in zip(at, moved) if abs(b / a - 1) > 1e-4)
+    return out

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -68,7 +69,7 @@ class OpGrid:
     256-request batches, 1K to 128K-token contexts, and vLLM's 8K-token prefill chunks."""
 
     #: tokens per step for the projections and the experts
-    tokens: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+    tokens: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 2048, 4096, 6144, 8192, 12288)
     #: decode batches and the context each request attends to
     decode_batches: tuple[int, ...] = (1, 8, 32, 128, 256)
     contexts: tuple[int, ...] = (1024, 8192, 32768, 131072)
@@ -93,12 +94,23 @@ class OpGrid:
 
     def attention_points(self, max_len: int) -> list[tuple[int, int, int]]:
         """``(requests, new, context)`` for every decode and prefill point that fits."""
-        pts = [(b, 1, c) for c in self.contexts for b in self.decode_batches
-               if c < max_len and b * c <= self.max_kv_tokens]
+        pts: list[tuple[int, int, int]] = []
+
+        def add(p: tuple[int, int, int]) -> None:
+            if p not in pts:
+                pts.append(p)
+
+        # a context past the model's limit is taken at the limit (gpt-oss: 131072 positions)
+        for c in self.contexts:
+            for b in self.decode_batches:
+                cc = min(c, max_len - 1)
+                if b * (cc + 1) <= self.max_kv_tokens:
+                    add((b, 1, cc))
         for n in self.prefill_chunks:
             for c in (0, *self.contexts):
-                if c + n <= max_len and c + n <= self.max_kv_tokens:
-                    pts.append((1, n, c))
+                cc = max(0, min(c, max_len - n))
+                if cc + n <= min(max_len, self.max_kv_tokens):
+                    add((1, n, cc))
         return pts
 
 
@@ -130,15 +142,31 @@ class _Clock:
         #: whether the last timing ran as a CUDA graph
         self.graphed = False
 
+    #: timed passes per point; the median is kept (clocks ramp, neighbours interfere)
+    PASSES = 3
+
     def per_call(self, fn: Callable[[int], Any], warmup: int, repeats: int) -> float:
+        """``repeats`` consecutive calls ``fn(0) .. fn(repeats - 1)`` (each may use its own
+        operand copy), timed :attr:`PASSES` times; the median per call."""
         self.graphed = False
         if self.graphs:
             try:
                 return self._graphed(fn, warmup, repeats)
             except (RuntimeError, NotImplementedError):
-                self.torch.cuda.synchronize()
+                # a failed capture can leave its stream current: restore the default one,
+                # and launch eagerly from now on rather than retrying capture at every point
+                t = self.torch.cuda
+                t.synchronize()
+                t.set_stream(t.default_stream(self.device))
+                self.graphs = False
         for i in range(warmup):
             fn(i)
+        return self._median(lambda: self._eager(fn, repeats)) / repeats
+
+    def _median(self, one_pass: Callable[[], float]) -> float:
+        return sorted(one_pass() for _ in range(self.PASSES))[self.PASSES // 2]
+
+    def _eager(self, fn: Callable[[int], Any], repeats: int) -> float:
         if self.cuda:
             t = self.torch.cuda
             t.synchronize()
@@ -148,11 +176,11 @@ class _Clock:
                 fn(i)
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / 1e3 / repeats
+            return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         for i in range(repeats):
             fn(i)
-        return (time.perf_counter() - t0) / repeats
+        return time.perf_counter() - t0
 
     def _graphed(self, fn: Callable[[int], Any], warmup: int, repeats: int) -> float:
         t = self.torch.cuda
@@ -168,13 +196,18 @@ class _Clock:
                 fn(i)
         graph.replay()
         t.synchronize()
-        start, end = t.Event(enable_timing=True), t.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
+
+        def one_pass() -> float:
+            start, end = t.Event(enable_timing=True), t.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        s = self._median(one_pass) / repeats
         self.graphed = True
-        return start.elapsed_time(end) / 1e3 / repeats
+        return s
 
 
 class OpTimer:
@@ -225,10 +258,13 @@ class OpTimer:
         need = math.ceil(_CACHE_MULTIPLE * self.cache_bytes / max(1, bytes_each))
         return max(1, min(_MAX_COPIES, need))
 
-    def _time(self, fn: Callable[[int], Any]) -> float:
+    def _time(self, fn: Callable[[int], Any], copies: int = 1) -> float:
+        """Seconds per call; the timed calls walk through all ``copies`` of the operands
+        (call ``i`` uses copy ``i % copies``), so none is still in the cache from the last
+        call that used it."""
         g = self.grid
         with self.torch.inference_mode():
-            return self.clock.per_call(fn, g.warmup, g.repeats)
+            return self.clock.per_call(fn, g.warmup, max(g.repeats, copies))
 
     def _free(self) -> None:
         if self.device.type == "cuda":
@@ -251,7 +287,7 @@ class OpTimer:
             wqkv, wo = ws[i % len(ws)]
             return x @ wqkv, a @ wo
 
-        return self._time(run)
+        return self._time(run, len(ws))
 
     def moe(self, tokens: int) -> float:
         torch, m = self.torch, self.model
@@ -263,18 +299,15 @@ class OpTimer:
                               E * m.expert_params * el)
         n = len(ws)
         x = self._rand(tokens, h)
-        # uniform routing: each token to k distinct experts, tokens sorted by expert
-        choice = torch.rand(tokens, E, generator=self.gen).topk(k, dim=1).indices.flatten()
-        order = choice.argsort(stable=True)
-        counts = torch.bincount(choice, minlength=E)
-        xs = x[order.to(self.device) // k].contiguous()
-        offs = counts.cumsum(0).to(device=self.device, dtype=torch.int32)
-        bounds = [0, *counts.cumsum(0).tolist()]
-        used = [e for e in range(E) if bounds[e + 1] > bounds[e]]
+        # a few routings, rotated like the other operands' copies: a small batch touches
+        # only k experts, which one routing would leave in the cache from call to call
+        touched = E * (1.0 - (1.0 - k / E) ** tokens) * m.expert_params * el
+        routes = [self._routing(x, tokens) for _ in range(self._copies(int(touched)))]
         silu = torch.nn.functional.silu
 
         def grouped(i: int):
             w13, w2, wr = ws[i % n]
+            xs, offs, _ = routes[i % len(routes)]
             x @ wr
             gu = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
             g, u = gu[:, :inter], gu[:, inter:]
@@ -282,11 +315,13 @@ class OpTimer:
 
         def per_expert(i: int):
             w13, w2, wr = ws[i % n]
+            xs, _, bounds = routes[i % len(routes)]
             x @ wr
             outs = []
-            for e in used:
-                gu = xs[bounds[e]:bounds[e + 1]] @ w13[e].t()
-                outs.append((silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].t())
+            for e in range(E):
+                if bounds[e + 1] > bounds[e]:
+                    gu = xs[bounds[e]:bounds[e + 1]] @ w13[e].t()
+                    outs.append((silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].t())
             return outs
 
         fn = per_expert
@@ -296,7 +331,19 @@ class OpTimer:
                 fn = grouped
             except (RuntimeError, NotImplementedError, TypeError):
                 self.moe_impl = "per-expert"
-        return self._time(fn)
+        return self._time(fn, max(n, len(routes)))
+
+    def _routing(self, x, tokens: int):
+        """Uniform random top-k routing of ``tokens`` rows of ``x``: the rows sorted by
+        expert (one row per token and chosen expert), each expert's end offset (int32, on
+        the device, as grouped GEMMs take it) and the same offsets as a list."""
+        torch, m = self.torch, self.model
+        E, k = m.num_experts, m.experts_per_token
+        choice = torch.rand(tokens, E, generator=self.gen).topk(k, dim=1).indices.flatten()
+        order = choice.argsort(stable=True)
+        ends = torch.bincount(choice, minlength=E).cumsum(0)
+        xs = x[order.to(self.device) // k].contiguous()
+        return xs, ends.to(device=self.device, dtype=torch.int32), [0, *ends.tolist()]
 
     def attention(self, requests: int, new: int, context: int) -> tuple[float | str, bool]:
         """Seconds (or why the point was skipped), and whether K/V were read with their own
@@ -338,7 +385,7 @@ class OpTimer:
                 kvs = [(k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
                        for k, v in kvs]
             try:
-                s: float | str = self._time(lambda i: call(i, gqa and rep > 1))
+                s: float | str = self._time(lambda i: call(i, gqa and rep > 1), n)
             except (RuntimeError, NotImplementedError) as exc:  # OOM, no kernel
                 s = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return s, gqa
@@ -360,7 +407,7 @@ class OpTimer:
         w = self._weight_set("logits", lambda: self._rand(m.hidden, m.vocab),
                              m.hidden * m.vocab * _DTYPE_BYTES[self.dtype_name])
         x = self._rand(requests, m.hidden)
-        return self._time(lambda i: x @ w[i % len(w)])
+        return self._time(lambda i: x @ w[i % len(w)], len(w))
 
     def peaks(self) -> dict[str, float]:
         """The device's own dense GEMM rate (FLOP/s) and copy bandwidth (bytes/s, read plus
@@ -433,7 +480,7 @@ class OpTimer:
                                 "seconds": s, "gqa": gqa, "graph": self.clock.graphed})
             note(f"attention B={b} new={n} context={c}" + (f" (skipped: {s})"
                                                            if isinstance(s, str) else ""))
-        saved()
+            saved()
         for r in g.logits_requests:
             records.append({"op": "logits", "requests": r, "seconds": self.logits(r),
                             "graph": self.clock.graphed})
@@ -510,8 +557,11 @@ def main(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(data: dict[str, Any]) -> None:
+        # whole or not at all: a run killed mid-write keeps the last complete file
         data["elapsed_s"] = round(time.monotonic() - t0, 1)
-        out.write_text(json.dumps(data, indent=1) + "\n")
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, out)
 
     data = timer.run(checkpoint=write)
     write(data)

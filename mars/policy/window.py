@@ -33,10 +33,10 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
 * **CPU cap from Little's law, coupled to the KV cache.** Tool concurrency = admitted
   sessions x the running tools per session (time-averaged); the cap is the session count that
   keeps that at ``tool_cores * cpu_target_load`` (:func:`cpu_little_cap`), plus a backlog
-  guard when tools already exceed the cores. The share part binds only while the KV cache is
-  past its knee (``cpu_cap_coupled``): a host backlog costs the GPU only when it strands
-  scarce GPU capacity, and with KV to spare a held session's GPU rounds would have
-  overlapped the others' tools.
+  guard when tools already exceed the cores. The share part
+  phases in as the KV cache fills (``cpu_cap_coupled``, along the KV soft cap's ramp): a
+  host backlog costs the GPU only when it strands scarce GPU capacity, and with KV to spare
+  a held session's GPU rounds would have overlapped the others' tools.
 
 Time is passed in; nothing here reads a clock.
 """
@@ -132,12 +132,13 @@ class AIMDConfig:
     cpu_rate_tau_s: float = 60.0
     #: Admitted session-seconds needed before the share is trusted.
     cpu_rate_min_session_s: float = 30.0
-    #: Coupled CPU cap: the Little's-law share binds only while KV utilisation is past
-    #: ``kv_knee`` (where the KV soft cap starts to bind). Tools backed up on the host strand
-    #: GPU capacity only when that capacity is scarce (paper §2: "congestion on one side can
-    #: strand capacity on the other"); with KV to spare, a session held outside only waits
-    #: for GPU work that would overlap the other sessions' tools. The backlog guard (tools
-    #: already beyond the cores) and the CPU overload band apply at any KV utilisation.
+    #: Coupled CPU cap (our departure from the paper's independent clamps): the Little's-law
+    #: share phases in as the KV cache becomes scarce, along the KV soft cap's own ramp
+    #: (nothing below ``kv_knee``, all of it at full or unknown utilisation). Requests stalled
+    #: behind host tools cost the GPU the capacity they strand (paper §2), which matters only
+    #: when that capacity is scarce; with KV to spare, a session held outside only delays GPU
+    #: work that would overlap the other sessions' tools. The backlog guard (tools already
+    #: beyond the cores) and the CPU overload band apply at any KV utilisation.
     cpu_cap_coupled: bool = True
 
     def __post_init__(self) -> None:
@@ -368,19 +369,27 @@ class WindowController:
 
     def cpu_cap(self, sig: PressureSignals, in_use: int) -> float:
         """Little's-law CPU cap with its backlog guard; with ``cpu_cap_coupled`` the share
-        part binds only while the KV cache is past the knee (unknown KV: not past it, as
-        for the KV cap)."""
+        part is weighted by :meth:`kv_scarcity` (continuous: no admit/stop threshold)."""
         c = self.config
-        share = self.tools_per_session(sig)
-        if c.cpu_cap_coupled and not self.kv_scarce(sig):
-            share = None
-        return cpu_little_cap(sig.tool_cores, c.cpu_target_load, share,
-                              c.min_window, c.max_window, sig.active_tools, in_use)
+        args = (sig.tool_cores, c.cpu_target_load)
+        tail = (c.min_window, c.max_window, sig.active_tools, in_use)
+        cap = cpu_little_cap(*args, self.tools_per_session(sig), *tail)
+        if not c.cpu_cap_coupled:
+            return cap
+        guard = cpu_little_cap(*args, None, *tail)  # the backlog guard alone (>= cap)
+        return guard - self.kv_scarcity(sig) * (guard - cap)
 
-    def kv_scarce(self, sig: PressureSignals) -> bool:
-        """KV utilisation past the knee: where the KV soft cap binds."""
-        u = sig.kv_utilisation
-        return u is not None and u > self.config.kv_knee
+    def kv_scarcity(self, sig: PressureSignals) -> float:
+        """How scarce the KV cache is, 0..1: ``x ** kv_cap_exponent`` with ``x = (u - knee) /
+        (1 - knee)`` -- the share of its headroom the KV soft cap has taken away -- 0 up to
+        the knee, 1 at full. Unknown utilisation (no KV feed, e.g. in front of a plain vLLM)
+        counts as scarce: without evidence of room, the CPU share binds as it always did."""
+        c, u = self.config, sig.kv_utilisation
+        if u is None or u >= 1.0:
+            return 1.0
+        if u <= c.kv_knee:
+            return 0.0
+        return ((u - c.kv_knee) / (1.0 - c.kv_knee)) ** c.kv_cap_exponent
 
     # ------------------------------------------------------------------ UpdateWindow
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
