@@ -75,10 +75,26 @@ def test_a_dense_model_keeps_the_shipped_moe_efficiency_and_efficiencies_stay_at
     timings = OpTimings(dense, 2.0, tuple(replace(r, seconds=p / 1.5)
                                           for r, p in zip(recs, pred)))
     fit = fit_op_efficiencies(timings, gpu)
-    assert "moe_efficiency" not in fit.fitted
-    assert fit.coefficients.moe_efficiency == StepCoefficients().moe_efficiency
+    # nothing timed depends on the experts, nor on attention compute (decodes only:
+    # memory-bound): both stay shipped rather than fitted to nothing
+    assert set(fit.kept) == {"moe_efficiency", "attention_efficiency"}
+    shipped = StepCoefficients()
+    assert fit.coefficients.moe_efficiency == shipped.moe_efficiency
+    assert fit.coefficients.attention_efficiency == shipped.attention_efficiency
     assert fit.coefficients.gemm_efficiency == 1.0
     assert fit.coefficients.memory_efficiency == 1.0
+    assert set(fit.emulate_config()["coefficients"]) == {"gemm_efficiency",
+                                                         "memory_efficiency"}
+
+
+def test_the_gpu_profile_follows_the_timed_device():
+    from mars.emulate.cli import gpu_for_device
+
+    assert gpu_for_device("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_for_device("NVIDIA H100 NVL") == "h100-nvl"
+    assert gpu_for_device("NVIDIA H200") == "h200"
+    assert gpu_for_device("NVIDIA H200 NVL") == "h200-nvl"
+    assert gpu_for_device("NVIDIA A100-SXM4-80GB") is None
 
 
 def test_expanded_kv_heads_are_priced_with_the_bytes_they_moved():
@@ -91,7 +107,7 @@ def test_expanded_kv_heads_are_priced_with_the_bytes_they_moved():
     assert b / a == pytest.approx(model.num_heads / model.num_kv_heads, rel=0.01)
 
 
-def test_op_timing_on_this_cpu_times_every_operator_and_the_fit_reads_it(tmp_path):
+def test_op_timing_on_this_cpu_times_every_operator_and_the_fit_reads_it(tmp_path, capsys):
     """The real PyTorch harness, on a small MoE model's shapes (seconds on this CPU)."""
     cfg = tmp_path / "small-moe.json"
     cfg.write_text(json.dumps(SMALL_MOE))
@@ -116,6 +132,16 @@ def test_op_timing_on_this_cpu_times_every_operator_and_the_fit_reads_it(tmp_pat
     fit = json.loads(fit_path.read_text())
     assert set(fit["abs_relative_error"]) == ops
     assert fit["device"]["type"] == "cpu"
+    # a CPU matches no shipped GPU profile: fit-ops says to name one
+    with pytest.raises(SystemExit, match="--gpu"):
+        main(["emulate", "fit-ops", str(out)])
+    # a run cut short (the harness checkpoints after every operator) still fits, with a
+    # warning
+    data["complete"] = False
+    data["records"] = [r for r in data["records"] if r["op"] != "logits"]
+    out.write_text(json.dumps(data))
+    assert main(["emulate", "fit-ops", str(out), "--gpu", "measured"]) == 0
+    assert "cut short" in capsys.readouterr().err
 
 
 def test_the_expanded_kv_fallback_runs_and_is_recorded(tmp_path):
@@ -139,7 +165,8 @@ def test_the_default_grid_fits_a_lent_h100(model):
     m, g = get_model(model), OpGrid()
     assert largest_operands(m, g, 2, cache_bytes=50 * 2**20) < 16 * 2**30
     ctx = [c for _, n, c in g.attention_points(m.max_model_len) if n == 1]
-    assert max(ctx) >= 32768 and min(ctx) <= 1024
+    # the model's whole context (gpt-oss: 131072 positions, taken at 131071)
+    assert max(ctx) == min(131072, m.max_model_len - 1) and min(ctx) <= 1024
 
 
 def test_the_timing_and_fit_modules_import_without_torch():

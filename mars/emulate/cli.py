@@ -221,6 +221,16 @@ def _measured_gpu(timings) -> GpuSpec:
                    pk["copy_bytes_per_s"] / 1e12, float(dev.get("memory_bytes", 0)) / 2**30)
 
 
+def gpu_for_device(name: str) -> str | None:
+    """The shipped GPU profile of a device PyTorch names (``NVIDIA H100 80GB HBM3``,
+    ``NVIDIA H200``, ``NVIDIA H100 NVL``...), or None."""
+    n = name.lower()
+    for chip in ("h200", "h100"):
+        if chip in n:
+            return f"{chip}-nvl" if "nvl" in n else chip
+    return None
+
+
 def _cmd_fit_ops(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -230,11 +240,24 @@ def _cmd_fit_ops(args: argparse.Namespace) -> int:
 
     try:
         timings = OpTimings.load(args.timings)
-        gpu = _measured_gpu(timings) if args.gpu == "measured" else get_gpu(args.gpu)
+        dev = timings.device
+        seen = gpu_for_device(str(dev.get("name", "")))
+        name = args.gpu or seen
+        if name is None:
+            raise ValueError(f"the timed device ({dev.get('name', '?')}) has no shipped "
+                             "profile: name one with --gpu (or --gpu measured)")
+        if args.gpu and seen and args.gpu != seen:
+            print(f"warning: the timings are from {dev.get('name')} ({seen}), fitted "
+                  f"against --gpu {args.gpu}'s peaks", file=sys.stderr)
+        gpu = _measured_gpu(timings) if name == "measured" else get_gpu(name)
         fit = fit_op_efficiencies(timings, gpu)
     except ValueError as exc:
         raise SystemExit(f"mars emulate fit-ops: {exc}") from None
-    dev = timings.device
+    if not timings.complete:
+        print("warning: the timing run was cut short; fitting what it timed",
+              file=sys.stderr)
+    for sk in timings.skipped:
+        print(f"skipped attention point {sk}", file=sys.stderr)
     print(f"{timings.model.name}: {fit.samples} operator timings on {dev.get('name', '?')} "
           f"(torch {dev.get('torch', '?')}, MoE as {timings.moe_impl or '?'}), "
           f"efficiencies relative to {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s, "
@@ -248,6 +271,8 @@ def _cmd_fit_ops(args: argparse.Namespace) -> int:
     print("\n| coefficient | shipped | fitted |\n|---|---:|---:|")
     for k in fit.fitted:
         print(f"| `{k}` | {getattr(fit.base, k):.3g} | {getattr(fit.coefficients, k):.3g} |")
+    for k in fit.kept:
+        print(f"| `{k}` | {getattr(fit.base, k):.3g} | kept (no timing binds it) |")
     print("\n| operator | timings | mean error, shipped | mean error, fitted | max, fitted |")
     print("|---|---:|---:|---:|---:|")
     for op in OPS:
@@ -263,7 +288,7 @@ def _cmd_fit_ops(args: argparse.Namespace) -> int:
             print(f"| `{p.key}` | {p.measured:g} | {a:.1f} ({a / p.measured - 1:+.1%}) | "
                   f"{b:.1f} ({b / p.measured - 1:+.1%}) |")
     cfg = json.dumps(fit.emulate_config(), separators=(",", ":"))
-    if args.gpu != "measured" and timings.model.name in MODELS:
+    if name != "measured" and timings.model.name in MODELS:
         print(f"\nserve with it: mars-vllm serve --emulate {gpu.name}:{timings.model.name} "
               f"--emulate-config '{cfg}'")
     else:
@@ -361,8 +386,9 @@ def register(sub) -> None:
                     "published measurements of the same GPU and model), and the "
                     "--emulate-config that serves with the fit (docs/emulation.md).")
     fops.add_argument("timings", metavar="TIMINGS.json")
-    fops.add_argument("--gpu", required=True,
+    fops.add_argument("--gpu", default=None,
                       help=f"the profile whose peaks the efficiencies are relative to: "
-                           f"{', '.join(GPUS)}, or 'measured' (the timed device's own peaks)")
+                           f"{', '.join(GPUS)}, or 'measured' (the timed device's own "
+                           f"peaks); default: the one the timed device's name matches")
     fops.add_argument("--out", default=None, metavar="FILE.json", help="write the fit here")
     fops.set_defaults(func=_cmd_fit_ops)

@@ -7,7 +7,7 @@ device, and writes the timings as JSON; :mod:`mars.emulate.op_fit` then fits the
 efficiency factors to them (on any machine, no torch needed there)::
 
     python3 -m mars.emulate.op_timing --model qwen3-coder-30b-a3b --out ops-qwen.json
-    mars emulate fit-ops ops-qwen.json --gpu h100
+    mars emulate fit-ops ops-qwen.json        # the profile follows the device name
 
 What is timed, per layer (the step-time model's terms, one layer each):
 
@@ -22,11 +22,10 @@ What is timed, per layer (the step-time model's terms, one layer each):
 * ``logits``: the LM head GEMM of ``R`` requests' last tokens;
 * the device's own peaks: a large BF16 GEMM and a device-to-device copy.
 
-Caveats, recorded in the file and in the docs: weights and KV are timed in the compute dtype
-(BF16; gpt-oss's MXFP4 experts cannot run as MXFP4 in PyTorch, so the fit prices the bytes
-actually moved and applies the fitted efficiencies to MXFP4 bytes); PyTorch's attention
-kernels do not split long decodes across the KV (flash-decoding), so small decode batches
-time slower than vLLM's kernels would; nothing of vLLM's host-side work (scheduling,
+Caveats, recorded in the docs: weights and KV are timed in the compute dtype (BF16;
+gpt-oss's MXFP4 experts cannot run as MXFP4 in PyTorch, so the fit prices the bytes actually
+moved and applies the fitted efficiencies to MXFP4 bytes); PyTorch's SDPA kernels stand in
+for vLLM's attention backends; nothing of vLLM's host-side work (scheduling,
 sampling, output processing) is here, so the per-step, per-layer and per-request overheads
 are not fitted. Each operand is rotated over enough copies to exceed the device's last-level
 cache several times, as in a real forward pass where other layers' weights evict it.
