@@ -108,13 +108,8 @@ def _measure(extra: list[str], quick: bool) -> dict:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from mars.vllm_patches.calibration import (
-        DISTURBED_RATIO,
-        CalibrationGrid,
-        MeasuredEngine,
-        measure_peaks,
-        run_grid,
-    )
+    from mars.vllm_patches.calibration import (DISTURBED_RATIO, CalibrationGrid,
+                                               MeasuredEngine, measure_peaks, run_grid)
 
     print("mars emulate calibrate: starting the real engine on this machine (mars-vllm serve "
           f"{' '.join(extra) or '(defaults)'})", file=sys.stderr, flush=True)

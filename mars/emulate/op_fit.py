@@ -30,41 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from mars.emulate.fit import LOSS_SCALE, nelder_mead, robust_loss, summarize
-from mars.emulate.op_timing import FORMAT as TIMINGS_FORMAT
+from mars.emulate.op_timing import FORMAT as TIMINGS_FORMAT, OPS, OpTiming
 from mars.emulate.specs import GpuSpec, ModelSpec
 from mars.emulate.step_time import StepCoefficients, StepTimeModel
 
-OPS = ("projections", "moe", "attention", "logits")
 #: the fitted efficiencies, and the operators that identify each
 FITTED = ("gemm_efficiency", "moe_efficiency", "attention_efficiency", "memory_efficiency")
 _FLOOR = 1e-4
 FIT_FORMAT = "mars-op-fit/1"
 #: timings that must depend on an efficiency for it to be fitted (else it stays shipped)
 MIN_BINDING = 2
-
-
-@dataclass(frozen=True, slots=True)
-class OpTiming:
-    """One timed operator of one layer: what ran and how long it took."""
-
-    op: str
-    seconds: float
-    tokens: int = 0
-    requests: int = 0
-    new: int = 0
-    context: int = 0
-    #: K/V read with their own heads (False: expanded to the query heads before the kernel)
-    gqa: bool = True
-    #: timed as a CUDA graph replay (False: eager launches, or not CUDA)
-    graph: bool = False
-
-    def batch(self) -> list[tuple[int, int]]:
-        """The step-time model's batch for this operator."""
-        if self.op in ("projections", "moe"):
-            return [(self.tokens, 0)]
-        if self.op == "attention":
-            return [(self.new, self.context)] * self.requests
-        return [(1, 0)] * self.requests  # logits: one last token per request
 
 
 @dataclass(frozen=True)

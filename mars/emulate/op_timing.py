@@ -62,6 +62,34 @@ MAX_EXPANDED_KV_BYTES = 24 * 2**30
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+#: the operators timed, each one term of the step-time model for one layer
+OPS = ("projections", "moe", "attention", "logits")
+
+
+@dataclass(frozen=True, slots=True)
+class OpTiming:
+    """One timed operator of one layer: what ran and how long it took."""
+
+    op: str
+    seconds: float
+    tokens: int = 0
+    requests: int = 0
+    new: int = 0
+    context: int = 0
+    #: K/V read with their own heads (False: expanded to the query heads before the kernel)
+    gqa: bool = True
+    #: timed as a CUDA graph replay (False: eager launches, or not CUDA)
+    graph: bool = False
+
+    def batch(self) -> list[tuple[int, int]]:
+        """The step-time model's batch for this operator."""
+        if self.op in ("projections", "moe"):
+            return [(self.tokens, 0)]
+        if self.op == "attention":
+            return [(self.new, self.context)] * self.requests
+        return [(1, 0)] * self.requests  # logits: one last token per request
+
+
 @dataclass(frozen=True)
 class OpGrid:
     """The points timed. The default spans what the paper's set-ups run: single decodes to
@@ -457,16 +485,17 @@ class OpTimer:
 
         peaks = self.peaks()
         note("device peaks")
+        def add(op: str, seconds: float, **where: Any) -> None:
+            records.append(asdict(OpTiming(op, seconds, graph=self.clock.graphed, **where)))
+
         for t in g.tokens:
-            records.append({"op": "projections", "tokens": t, "seconds": self.projections(t),
-                            "graph": self.clock.graphed})
+            add("projections", self.projections(t), tokens=t)
             note(f"projections T={t}")
         self._drop("projections")
         saved()
         if m.num_experts:
             for t in g.tokens:
-                records.append({"op": "moe", "tokens": t, "seconds": self.moe(t),
-                                "graph": self.clock.graphed})
+                add("moe", self.moe(t), tokens=t)
                 note(f"moe T={t}")
             self._drop("moe")
             saved()
@@ -475,14 +504,12 @@ class OpTimer:
             if isinstance(s, str):
                 skipped.append({"requests": b, "new": n, "context": c, "why": s})
             else:
-                records.append({"op": "attention", "requests": b, "new": n, "context": c,
-                                "seconds": s, "gqa": gqa, "graph": self.clock.graphed})
+                add("attention", s, requests=b, new=n, context=c, gqa=gqa)
             note(f"attention B={b} new={n} context={c}" + (f" (skipped: {s})"
                                                            if isinstance(s, str) else ""))
             saved()
         for r in g.logits_requests:
-            records.append({"op": "logits", "requests": r, "seconds": self.logits(r),
-                            "graph": self.clock.graphed})
+            add("logits", self.logits(r), requests=r)
             note(f"logits R={r}")
         self._drop("logits")
         return result(True)

@@ -180,8 +180,17 @@ def kv_soft_cap(utilisation: float | None, floor: float, ceiling: float, knee: f
         return float(max(ceiling, floor))
     if utilisation >= 1.0 or ceiling <= floor:
         return float(floor)
-    x = (utilisation - knee) / (1.0 - knee)
-    return floor + (ceiling - floor) * (1.0 - x ** exponent)
+    return floor + (ceiling - floor) * (1.0 - kv_tightening(utilisation, knee, exponent))
+
+
+def kv_tightening(utilisation: float, knee: float, exponent: float = 2.0) -> float:
+    """The share of its headroom the KV soft cap has taken away, 0..1: ``x ** exponent``
+    with ``x = (u - knee) / (1 - knee)``, 0 up to the knee, 1 at full."""
+    if utilisation <= knee:
+        return 0.0
+    if utilisation >= 1.0:
+        return 1.0
+    return ((utilisation - knee) / (1.0 - knee)) ** exponent
 
 
 def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: float | None,
@@ -380,16 +389,12 @@ class WindowController:
         return guard - self.kv_scarcity(sig) * (guard - cap)
 
     def kv_scarcity(self, sig: PressureSignals) -> float:
-        """How scarce the KV cache is, 0..1: ``x ** kv_cap_exponent`` with ``x = (u - knee) /
-        (1 - knee)`` -- the share of its headroom the KV soft cap has taken away -- 0 up to
-        the knee, 1 at full. Unknown utilisation (no KV feed, e.g. in front of a plain vLLM)
-        counts as scarce: without evidence of room, the CPU share binds as it always did."""
+        """How scarce the KV cache is, 0..1: how far the KV soft cap has tightened
+        (:func:`kv_tightening`). Unknown utilisation (no KV feed, e.g. in front of a plain
+        vLLM) counts as scarce: without evidence of room, the CPU share binds as it always
+        did."""
         c, u = self.config, sig.kv_utilisation
-        if u is None or u >= 1.0:
-            return 1.0
-        if u <= c.kv_knee:
-            return 0.0
-        return ((u - c.kv_knee) / (1.0 - c.kv_knee)) ** c.kv_cap_exponent
+        return 1.0 if u is None else kv_tightening(u, c.kv_knee, c.kv_cap_exponent)
 
     # ------------------------------------------------------------------ UpdateWindow
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
