@@ -33,10 +33,10 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
 * **CPU cap from Little's law, coupled to the KV cache.** Tool concurrency = admitted
   sessions x the running tools per session (time-averaged); the cap is the session count that
   keeps that at ``tool_cores * cpu_target_load`` (:func:`cpu_little_cap`), plus a backlog
-  guard when tools already exceed the cores. The share part
-  phases in as the KV cache fills (``cpu_cap_coupled``, along the KV soft cap's ramp): a
-  host backlog costs the GPU only when it strands scarce GPU capacity, and with KV to spare
-  a held session's GPU rounds would have overlapped the others' tools.
+  guard when tools already exceed the cores. The share part phases in as the KV cache fills
+  (``cpu_cap_coupled``, along the KV soft cap's ramp): a host backlog costs the GPU only when
+  it strands scarce GPU capacity, and with KV to spare a held session's GPU rounds would have
+  overlapped the others' tools.
 
 Time is passed in; nothing here reads a clock.
 """
