@@ -266,6 +266,57 @@ def test_decrease_on_cpu_overload():
     assert d.cpu_overloaded and not d.kv_overloaded
 
 
+def _persistent_cpu_overload(kv_util: float | None, coupled: bool = True,
+                             slowed: bool = False) -> list[str]:
+    """Modes of 20 control steps, 1 s apart, with 11 tools on 8 cores (load 1.375 > the
+    band's 1.25 entry) held throughout, at the given KV utilisation."""
+    ctl = WindowController(AIMDConfig(initial_window=8, increase_interval_s=1.0,
+                                      healthy_ticks=1, cpu=OverloadBand(1.25, 0.9, 5),
+                                      cpu_band_coupled=coupled))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    if slowed:  # a baseline of 1 s calls, then calls five times slower
+        for i in range(60):
+            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
+                                  duration_s=_jitter(i)))
+        for i in range(10):
+            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
+                                  duration_s=5.0 * _jitter(i)))
+    tools(st, 0.0, 11)
+    modes = []
+    for t in range(20):
+        if kv_util is not None:
+            kv(st, float(t), kv_util)
+        modes.append(ctl.update(st, in_use=int(ctl.window), now=float(t)).mode)
+    return modes
+
+
+def test_cpu_band_counts_only_while_the_kv_cache_is_scarce():
+    """With KV to spare, tools past the cores wait for one without stranding GPU capacity:
+    the band neither cuts nor holds the window (found in ``mars sim``: at ILR-2 on the H200,
+    cores ~90 % busy and KV 15-25 % used, its hold kept sessions queued outside while
+    `mars_no_ctrl` without admission was 10 % faster). Past the knee, or with no KV feed,
+    it acts as before; uncoupled, it acts at any utilisation."""
+    assert "decrease" not in _persistent_cpu_overload(0.3)
+    assert "increase" in _persistent_cpu_overload(0.3)  # grows: nothing holds it
+    for util in (0.8, None):
+        modes = _persistent_cpu_overload(util)
+        assert modes[5] == "decrease" and "increase" not in modes, (util, modes)
+    assert "decrease" in _persistent_cpu_overload(0.3, coupled=False)
+    # the backlog guard still stops admission at low KV (tools beyond the cores now)
+    ctl = WindowController(AIMDConfig(initial_window=8))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    kv(st, 0.0, 0.3)
+    tools(st, 0.0, 11)
+    assert ctl.update(st, in_use=8, now=0.0).slots == 0
+
+
+def test_tool_slowdown_counts_at_any_kv_utilisation():
+    """Tools measurably slower than their baseline are the contention that hurts: the
+    slowdown band cuts the window with the KV cache nearly empty too."""
+    modes = _persistent_cpu_overload(0.3, slowed=True)
+    assert modes[0] == "decrease", modes
+
+
 def test_transient_cpu_spike_does_not_decrease():
     ctl = WindowController(AIMDConfig(initial_window=8, cpu=OverloadBand(1.25, 0.9, 5)))
     st = DualPressureState(PressureConfig(tool_cores=8))

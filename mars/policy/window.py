@@ -36,7 +36,8 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
   guard when tools already exceed the cores. The share part phases in as the KV cache fills
   (``cpu_cap_coupled``, along the KV soft cap's ramp): a host backlog costs the GPU only when
   it strands scarce GPU capacity, and with KV to spare a held session's GPU rounds would have
-  overlapped the others' tools.
+  overlapped the others' tools. The ``cpu`` overload band counts only while the KV cache is
+  scarce, for the same reason (``cpu_band_coupled``); tool slowdown counts always.
 
 Time is passed in; nothing here reads a clock.
 """
@@ -138,8 +139,16 @@ class AIMDConfig:
     #: behind host tools cost the GPU the capacity they strand (paper §2), which matters only
     #: when that capacity is scarce; with KV to spare, a session held outside only delays GPU
     #: work that would overlap the other sessions' tools. The backlog guard (tools already
-    #: beyond the cores) and the CPU overload band apply at any KV utilisation.
+    #: beyond the cores) applies at any KV utilisation.
     cpu_cap_coupled: bool = True
+    #: The same coupling for the ``cpu`` load band: tool concurrency counts as overload (and
+    #: holds growth inside its band) only while the KV cache is scarce (past ``kv_knee``, or
+    #: unknown). With KV to spare, tools past the cores wait for one without stranding GPU
+    #: capacity, so holding sessions outside costs them their whole delay and saves none of
+    #: it; in ``mars sim`` that hold kept the window from following the load at ILR-2 (cores
+    #: ~90 % busy, KV 15-25 % used). The ``slowdown`` band -- tools measurably slower than
+    #: their type's baseline, the contention that does hurt -- counts at any KV utilisation.
+    cpu_band_coupled: bool = True
 
     def __post_init__(self) -> None:
         if self.min_window < 1:
@@ -396,6 +405,13 @@ class WindowController:
         c, u = self.config, sig.kv_utilisation
         return 1.0 if u is None else kv_tightening(u, c.kv_knee, c.kv_cap_exponent)
 
+    def cpu_band_load(self, sig: PressureSignals) -> float | None:
+        """What the ``cpu`` band reads: the CPU load, or None (no evidence of overload) while
+        ``cpu_band_coupled`` and the KV cache is not scarce."""
+        if self.config.cpu_band_coupled and self.kv_scarcity(sig) == 0.0:
+            return None
+        return sig.cpu_load
+
     # ------------------------------------------------------------------ UpdateWindow
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
                now: float) -> WindowDecision:
@@ -410,7 +426,7 @@ class WindowController:
         kv_over = self._kv.update(sig.kv_utilisation, now)
         kv_over = self._preempt.update(float(sig.preemptions), now) or kv_over
         compute_over = self._queue.update(sig.engine_queue_ratio, now)
-        cpu_over = self._cpu.update(sig.cpu_load, now)
+        cpu_over = self._cpu.update(self.cpu_band_load(sig), now)
         # a slower tool call is evidence of contention only while the tools fill the cores
         # (load at or above the CPU band's leave threshold): with cores idle it is the tool's
         # own variance -- recorded agent tools of one type vary tenfold -- and, read as
