@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mars.policy.window import (WindowController, AIMDConfig, Hysteresis, OverloadBand, cpu_little_cap,
-                              kv_soft_cap)
+from mars.policy.window import (WindowController, AIMDConfig, Hysteresis, OverloadBand,
+                               WindowDecision, cpu_little_cap, kv_soft_cap)
 from mars.policy.events import make_event
 from mars.policy.pressure import DualPressureState, PressureConfig
 
@@ -389,6 +389,31 @@ def test_no_growth_while_under_used():
         d = ctl.update(st, in_use=5, now=float(t))  # 5 < 0.75 * 8
         assert d.window == 8.0 and d.mode == "hold"
     assert "under-used" in d.reason
+
+
+def test_a_fractional_window_filled_to_its_whole_slots_grows():
+    """A cut from two admitted sessions leaves W = 1.5: one slot. One session in it is the
+    window used (0.75 x 1.5 = 1.125 could never be reached with one slot), so sustained
+    health grows it again. Before, it stayed at one session for good (`mars_no_coord` in
+    ``mars sim`` at ILR-4 0.034 tasks/s: sessions queued ten minutes behind an idle GPU).
+    With a cap binding below the window's slots, it still does not grow (anti-windup)."""
+    def run(in_use: int, window: float, kv_util: float = 0.3) -> WindowDecision:
+        ctl = WindowController(AIMDConfig(initial_window=window, healthy_ticks=3,
+                                          increase_interval_s=2))
+        st = DualPressureState()
+        for t in range(0, 21, 2):
+            kv(st, float(t), kv_util)
+            d = ctl.update(st, in_use=in_use, now=float(t))
+        return d
+
+    assert run(1, 1.5).window == pytest.approx(2.5)
+    assert run(2, 2.75).window > 2.75  # 2 whole slots filled; 0.75 x 2.75 = 2.06
+    assert run(1, 2.75).window == 2.75  # one of two slots: under-used
+    assert run(5, 8.0).window == 8.0  # 5 < 0.75 x 8, as before
+    # W = 8 held to 2 sessions by the KV soft cap (healthy, below the KV band's leave): the
+    # window's slots are not filled, so it does not wind up
+    d = run(2, 8.0, kv_util=0.84)
+    assert d.budget == 2 and d.window == 8.0 and "under-used" in d.reason
 
 
 def test_growth_after_sustained_health_when_used():

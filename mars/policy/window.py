@@ -25,7 +25,8 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
 * **Sustained, used, paced increase.** ``+additive_increase`` only after ``healthy_ticks``
   consecutive healthy evaluations taken at most once per ``increase_interval_s`` (so the rate
   of growth does not depend on how often the sidecar calls :meth:`update`), and only if the
-  window is actually used (``in_use >= increase_min_utilisation * W``). The latter is also the
+  window is actually used (:meth:`WindowController.used_threshold`: ``in_use >=
+  increase_min_utilisation * W``, or every whole slot of ``W`` filled). The latter is also the
   anti-windup rule: when a cap binds, ``in_use`` stays below ``W`` and ``W`` stops growing.
 * **Soft KV cap.** KV utilisation becomes a cap that tightens smoothly from the knee to full
   (:func:`kv_soft_cap`), so admission slows before memory runs out instead of flipping between
@@ -100,7 +101,8 @@ class AIMDConfig:
     increase_interval_s: float = 2.0
     #: Consecutive healthy evaluations needed before one additive increase.
     healthy_ticks: int = 3
-    #: W grows only if in_use >= this fraction of W (no growth while the window is unused).
+    #: W grows only if in_use >= this fraction of W (no growth while the window is unused),
+    #: or fills every whole slot of W (``floor(W)``; see ``used_threshold``).
     increase_min_utilisation: float = 0.75
 
     # --- overload hysteresis, one band per signal ---------------------------------------
@@ -412,6 +414,16 @@ class WindowController:
             return None
         return sig.cpu_load
 
+    def used_threshold(self) -> float:
+        """Admitted sessions at which the window counts as used (growth allowed):
+        ``increase_min_utilisation * W``, but never more than ``floor(W)``, the sessions the
+        window itself lets in. Without that bound a cut to a fractional window (1.5 from two
+        sessions) could never be filled again (one session < 0.75 x 1.5) and the window
+        stayed at one session for good: `mars_no_coord` in ``mars sim`` at ILR-4 0.034 tasks/s,
+        where new sessions queued for ten minutes behind an idle GPU."""
+        w = self.window
+        return min(self.config.increase_min_utilisation * w, float(math.floor(w + 1e-9)))
+
     # ------------------------------------------------------------------ UpdateWindow
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
                now: float) -> WindowDecision:
@@ -473,9 +485,9 @@ class WindowController:
                 reason = f"healthy {self._streak}/{c.healthy_ticks}"
             elif self.window >= c.max_window:
                 reason = "healthy at ceiling"
-            elif in_use < c.increase_min_utilisation * self.window:
+            elif in_use < self.used_threshold():
                 reason = (f"healthy but under-used (in_use {in_use} < "
-                          f"{c.increase_min_utilisation:.2f} x window {self.window:.2f})")
+                          f"{self.used_threshold():.2f} of window {self.window:.2f})")
             else:
                 new = min(float(c.max_window), self.window + c.additive_increase)
                 mode = "increase"
