@@ -290,24 +290,55 @@ def _persistent_cpu_overload(kv_util: float | None, coupled: bool = True,
     return modes
 
 
-def test_cpu_band_counts_only_while_the_kv_cache_is_scarce():
-    """With KV to spare, tools past the cores wait for one without stranding GPU capacity:
-    the band neither cuts nor holds the window (found in ``mars sim``: at ILR-2 on the H200,
-    cores ~90 % busy and KV 15-25 % used, its hold kept sessions queued outside while
-    `mars_no_ctrl` without admission was 10 % faster). Past the knee, or with no KV feed,
-    it acts as before; uncoupled, it acts at any utilisation."""
-    assert "decrease" not in _persistent_cpu_overload(0.3)
-    assert "increase" in _persistent_cpu_overload(0.3)  # grows: nothing holds it
-    for util in (0.8, None):
+def test_persistent_oversubscription_cuts_the_window_at_any_kv_utilisation():
+    """11 tools on 8 cores for 5 s is persistent host contention (paper §4.1): the window is
+    cut whether the KV cache is nearly empty, past its knee or unknown, coupled or not."""
+    for util in (0.3, 0.8, None):
         modes = _persistent_cpu_overload(util)
         assert modes[5] == "decrease" and "increase" not in modes, (util, modes)
     assert "decrease" in _persistent_cpu_overload(0.3, coupled=False)
-    # the backlog guard still stops admission at low KV (tools beyond the cores now)
+
+
+def _busy_cores(kv_util: float, active: int, in_use: int = 8,
+                coupled: bool = True) -> list[WindowDecision]:
+    """30 control steps, 1 s apart, ``active`` tools on 8 cores held throughout."""
+    ctl = WindowController(AIMDConfig(initial_window=8, increase_interval_s=1.0,
+                                      healthy_ticks=1, cpu=OverloadBand(1.25, 0.9, 5),
+                                      cpu_band_coupled=coupled))
+    st = DualPressureState(PressureConfig(tool_cores=8))
+    tools(st, 0.0, active)
+    out = []
+    for t in range(30):
+        kv(st, float(t), kv_util)
+        out.append(ctl.update(st, in_use=in_use, now=float(t)))
+    return out
+
+
+def test_busy_cores_hold_growth_only_while_the_kv_cache_is_scarce():
+    """Cores busy with no tool waiting (8 tools on 8 cores, load 1.0, inside the band):
+    with KV to spare the window grows -- a session held outside would only delay GPU rounds
+    that overlap the others' tools (found in ``mars sim``: at ILR-2 on the H200, cores ~90 %
+    busy and KV 15-25 % used, this hold kept sessions queued while `mars_no_ctrl`, without
+    admission, was 10 % faster). Past the knee the band holds it, as it does uncoupled."""
+    assert _busy_cores(0.3, 8)[-1].window > 8.0
+    assert {d.mode for d in _busy_cores(0.8, 8)} == {"hold"}
+    assert {d.mode for d in _busy_cores(0.3, 8, coupled=False)} == {"hold"}
+
+
+def test_oversubscribed_cores_hold_the_window_at_any_kv_utilisation():
+    """Tools beyond the cores (9 on 8: load 1.125, inside the band) are contention now: the
+    backlog guard caps admission below the admitted sessions and the window must not wind up
+    behind it (it grew 8 -> 11 while the guard held the budget at 7, and would have let three
+    sessions in at once as the tools drained)."""
+    for d in _busy_cores(0.3, 9):
+        assert d.window == 8.0 and d.mode == "hold" and d.budget == 7 and d.slots == 0
+    # the guard alone, with fewer sessions admitted than the window: 6 x 8 / 11 sessions
     ctl = WindowController(AIMDConfig(initial_window=8))
     st = DualPressureState(PressureConfig(tool_cores=8))
     kv(st, 0.0, 0.3)
     tools(st, 0.0, 11)
-    assert ctl.update(st, in_use=8, now=0.0).slots == 0
+    d = ctl.update(st, in_use=6, now=0.0)
+    assert d.cpu_cap == pytest.approx(6 * 8 / 11) and d.budget == 4 and d.slots == 0
 
 
 def test_tool_slowdown_counts_at_any_kv_utilisation():
@@ -410,6 +441,7 @@ def test_a_fractional_window_filled_to_its_whole_slots_grows():
     assert run(2, 2.75).window > 2.75  # 2 whole slots filled; 0.75 x 2.75 = 2.06
     assert run(1, 2.75).window == 2.75  # one of two slots: under-used
     assert run(5, 8.0).window == 8.0  # 5 < 0.75 x 8, as before
+    assert run(6, 8.0).window == 9.0  # 0.75 x 8 = 6 < floor(8): the fraction still rules
     # W = 8 held to 2 sessions by the KV soft cap (healthy, below the KV band's leave): the
     # window's slots are not filled, so it does not wind up
     d = run(2, 8.0, kv_util=0.84)

@@ -37,8 +37,9 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
   guard when tools already exceed the cores. The share part phases in as the KV cache fills
   (``cpu_cap_coupled``, along the KV soft cap's ramp): a host backlog costs the GPU only when
   it strands scarce GPU capacity, and with KV to spare a held session's GPU rounds would have
-  overlapped the others' tools. The ``cpu`` overload band counts only while the KV cache is
-  scarce, for the same reason (``cpu_band_coupled``); tool slowdown counts always.
+  overlapped the others' tools. For the same reason, with the KV cache below its knee the
+  ``cpu`` band ignores busy cores that no tool waits for (``cpu_band_coupled``);
+  oversubscription and tool slowdown count always.
 
 Time is passed in; nothing here reads a clock.
 """
@@ -143,13 +144,14 @@ class AIMDConfig:
     #: work that would overlap the other sessions' tools. The backlog guard (tools already
     #: beyond the cores) applies at any KV utilisation.
     cpu_cap_coupled: bool = True
-    #: The same coupling for the ``cpu`` load band: tool concurrency counts as overload (and
-    #: holds growth inside its band) only while the KV cache is scarce (past ``kv_knee``, or
-    #: unknown). With KV to spare, tools past the cores wait for one without stranding GPU
-    #: capacity, so holding sessions outside costs them their whole delay and saves none of
-    #: it; in ``mars sim`` that hold kept the window from following the load at ILR-2 (cores
-    #: ~90 % busy, KV 15-25 % used). The ``slowdown`` band -- tools measurably slower than
-    #: their type's baseline, the contention that does hurt -- counts at any KV utilisation.
+    #: A coupling of the ``cpu`` load band (a step at the knee, not the share's ramp): with
+    #: the KV cache below ``kv_knee``, busy cores that no tool waits for (``cpu_load <= 1``)
+    #: neither hold the window's growth nor cut it. With KV to spare, a session held outside
+    #: only delays GPU rounds that would overlap the other sessions' tools; in ``mars sim``
+    #: that hold kept the window from following the load at ILR-2 (cores ~90 % busy, KV
+    #: 15-25 % used). Oversubscription (``cpu_load > 1``), the ``slowdown`` band and the
+    #: backlog guard count at any KV utilisation, as does everything past the knee or with
+    #: no KV feed.
     cpu_band_coupled: bool = True
 
     def __post_init__(self) -> None:
@@ -409,8 +411,12 @@ class WindowController:
 
     def cpu_band_load(self, sig: PressureSignals) -> float | None:
         """What the ``cpu`` band reads: the CPU load, or None (no evidence of overload) while
-        ``cpu_band_coupled`` and the KV cache is not scarce."""
-        if self.config.cpu_band_coupled and self.kv_scarcity(sig) == 0.0:
+        ``cpu_band_coupled``, the KV cache is not scarce and no tool waits for a core
+        (``cpu_load <= 1``). Oversubscription is contention now and counts at any KV: it also
+        holds the window while the backlog guard caps admission, so W does not wind up behind
+        the guard."""
+        if (self.config.cpu_band_coupled and self.kv_scarcity(sig) == 0.0
+                and sig.cpu_load <= 1.0):
             return None
         return sig.cpu_load
 
