@@ -151,7 +151,8 @@ class AIMDConfig:
     #: that hold kept the window from following the load at ILR-2 (cores ~90 % busy, KV
     #: 15-25 % used). Oversubscription (``cpu_load > 1``), the ``slowdown`` band and the
     #: backlog guard count at any KV utilisation, as does everything past the knee or with
-    #: no KV feed.
+    #: no KV feed. Its cost: the hold was also a brake on sessions that grow into the KV
+    #: cache after admission (H100 ILR-3 at 0.12 tasks/s: 1.6x slower with it on; docs).
     cpu_band_coupled: bool = True
 
     def __post_init__(self) -> None:
