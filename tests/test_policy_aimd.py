@@ -266,6 +266,16 @@ def test_decrease_on_cpu_overload():
     assert d.cpu_overloaded and not d.kv_overloaded
 
 
+def _slowed_calls(st: DualPressureState) -> None:
+    """A baseline of 60 ~1 s bash calls, then 10 calls five times slower."""
+    for i in range(60):
+        st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
+                              duration_s=_jitter(i)))
+    for i in range(10):
+        st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
+                              duration_s=5.0 * _jitter(i)))
+
+
 def _persistent_cpu_overload(kv_util: float | None, coupled: bool = True,
                              slowed: bool = False) -> list[str]:
     """Modes of 20 control steps, 1 s apart, with 11 tools on 8 cores (load 1.375 > the
@@ -274,13 +284,8 @@ def _persistent_cpu_overload(kv_util: float | None, coupled: bool = True,
                                       healthy_ticks=1, cpu=OverloadBand(1.25, 0.9, 5),
                                       cpu_band_coupled=coupled))
     st = DualPressureState(PressureConfig(tool_cores=8))
-    if slowed:  # a baseline of 1 s calls, then calls five times slower
-        for i in range(60):
-            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
-                                  duration_s=_jitter(i)))
-        for i in range(10):
-            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
-                                  duration_s=5.0 * _jitter(i)))
+    if slowed:
+        _slowed_calls(st)
     tools(st, 0.0, 11)
     modes = []
     for t in range(20):
@@ -574,12 +579,7 @@ def test_slowdown_counts_as_overload_only_while_tools_fill_the_cores():
     def run(active: int) -> str:
         ctl = WindowController(AIMDConfig(initial_window=8, backoff_ratio=0.75))
         st = DualPressureState(PressureConfig(tool_cores=8))
-        for i in range(60):
-            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
-                                  duration_s=_jitter(i)))
-        for i in range(10):  # five times the baseline
-            st.observe(make_event("tool_end", session_id="s", ts=0.0, tool="bash",
-                                  duration_s=5.0 * _jitter(i)))
+        _slowed_calls(st)
         tools(st, 0.0, active)
         assert st.signals(0.0).tool_slowdown > 2.0
         return ctl.update(st, in_use=8, now=0.0).mode

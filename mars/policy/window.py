@@ -228,6 +228,11 @@ def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: flo
     return float(min(max(cap, floor), ceiling))
 
 
+def _whole_sessions(x: float) -> int:
+    """Sessions a fractional window or cap lets in (tolerant of float error: 2.9999999 is 3)."""
+    return math.floor(x + 1e-9)
+
+
 # ---------------------------------------------------------------------------- hysteresis
 class Hysteresis:
     """Latched overload flag with separate enter (>=) and leave (<=) thresholds.
@@ -429,7 +434,7 @@ class WindowController:
         stayed at one session for good: `mars_no_coord` in ``mars sim`` at ILR-4 0.034 tasks/s,
         where new sessions queued for ten minutes behind an idle GPU."""
         w = self.window
-        return min(self.config.increase_min_utilisation * w, float(math.floor(w + 1e-9)))
+        return min(self.config.increase_min_utilisation * w, float(_whole_sessions(w)))
 
     # ------------------------------------------------------------------ UpdateWindow
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
@@ -492,9 +497,9 @@ class WindowController:
                 reason = f"healthy {self._streak}/{c.healthy_ticks}"
             elif self.window >= c.max_window:
                 reason = "healthy at ceiling"
-            elif in_use < self.used_threshold():
+            elif in_use < (used := self.used_threshold()):
                 reason = (f"healthy but under-used (in_use {in_use} < "
-                          f"{self.used_threshold():.2f} of window {self.window:.2f})")
+                          f"{used:.2f} of window {self.window:.2f})")
             else:
                 new = min(float(c.max_window), self.window + c.additive_increase)
                 mode = "increase"
@@ -503,7 +508,7 @@ class WindowController:
                 self._streak = 0
 
         raw = min(self.window, cpu_cap, kv_cap)
-        budget = int(min(max(math.floor(raw + 1e-9), c.min_window), c.max_window))
+        budget = min(max(_whole_sessions(raw), c.min_window), c.max_window)
         prev = self._last
         decision = WindowDecision(
             window=self.window, cpu_cap=cpu_cap, kv_cap=kv_cap, budget=budget, in_use=in_use,
