@@ -77,8 +77,9 @@ def test_step_events_are_schema_valid():
 
 
 def test_pending_blocks_prevent_double_admission_between_snapshots():
+    # the free-block bound alone (the projected-context bound has its own test below)
     cfg = AdmissionConfig(packing=PackConfig(block_size=16, kv_reserve_frac=0.05),
-                          pending_ttl_s=30)
+                          pending_ttl_s=30, projected_fill=None)
     ba = BalanceAndAdmit(cfg)
     snapshot(ba, 0.0, total=1000, used=0)
     for i in range(4):
@@ -99,6 +100,63 @@ def test_pending_blocks_prevent_double_admission_between_snapshots():
     snapshot(ba, 40.0, total=1000, used=400)
     assert ba.pending_blocks(40.0) == 0
     assert ba.step(40.0).admitted == ["s2"]
+
+
+def submit(ba: BalanceAndAdmit, sid: str, ts: float, blocks: int, rnd: int = 0) -> None:
+    ba.observe(make_event("gpu_submit", ts=ts, session_id=sid, request_id=f"{sid}.r{rnd}",
+                          round=rnd, prompt_tokens=blocks * 16, projected_blocks=blocks))
+
+
+def test_packing_room_is_what_the_admitted_sessions_contexts_leave():
+    """A session between rounds holds no blocks (its tool runs), yet its next round needs its
+    whole context again: the room new sessions are packed into is at most the pool less the
+    admitted sessions' latest prompts, not just the free blocks."""
+    cfg = AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0))
+    ba = BalanceAndAdmit(cfg)
+    snapshot(ba, 0.0, total=1000, used=0)
+    ba.enqueue("a", 0.0, est_blocks=300)
+    assert ba.step(0.0).admitted == ["a"]
+    assert ba.projected_blocks() == 300  # the estimate until a round reaches the engine
+    submit(ba, "a", 0.5, 500)
+    submit(ba, "a", 1.0, 600, rnd=1)  # the latest prompt replaces the last one
+    submit(ba, "zz", 1.0, 900)  # not admitted here: not ours to count
+    ba.observe(make_event("gpu_1st_token", session_id="a", ts=1.0, request_id="a.r1",
+                          launch_delay_s=0.1))
+    assert ba.projected_blocks() == 600
+    snapshot(ba, 2.0, total=1000, used=0)  # a's round ended, its tool runs: all blocks free
+    assert ba.room(ba.state.signals(2.0), 2.0) == 400
+    ba.enqueue("b", 2.0, est_blocks=500)
+    ba.enqueue("c", 2.0, est_blocks=350)
+    assert ba.step(2.0).admitted == ["c"]  # b does not fit in what a's context leaves
+    assert ba.step(3.0).admitted == []
+    ba.release("a")
+    ba.observe(make_event("gpu_1st_token", session_id="c", ts=4.0, request_id="c.r0",
+                          launch_delay_s=0.1))
+    snapshot(ba, 4.0, total=1000, used=350)
+    assert ba.step(4.0).admitted == ["b"]  # 1000 - 350 (c) >= 500
+    # off: the free blocks alone bound the packing
+    off = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0),
+                                          projected_fill=None))
+    snapshot(off, 0.0, total=1000, used=0)
+    off.enqueue("a", 0.0, est_blocks=300)
+    off.step(0.0)
+    submit(off, "a", 0.5, 600)
+    off.observe(make_event("gpu_1st_token", session_id="a", ts=1.0, request_id="a.r0",
+                           launch_delay_s=0.1))
+    snapshot(off, 2.0, total=1000, used=0)
+    off.enqueue("b", 2.0, est_blocks=500)
+    assert off.step(2.0).admitted == ["b"]
+    with pytest.raises(ValueError):
+        AdmissionConfig(projected_fill=0.0)
+
+
+def test_projected_room_keeps_the_progress_rule():
+    """A session whose context alone exceeds the pool's share is still admitted when nothing
+    is admitted (waiting frees nothing)."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    snapshot(ba, 0.0, total=1000, used=0)
+    ba.enqueue("huge", 0.0, est_blocks=1500)
+    assert ba.step(0.0).admitted == ["huge"]
 
 
 def test_overload_stops_admission_and_shrinks_window():

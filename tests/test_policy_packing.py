@@ -101,6 +101,34 @@ def test_kv_mode_keeps_reserve_for_growth():
     assert res.session_ids == ["b"]  # budget 100
 
 
+def test_every_mode_packs_under_the_free_block_budget():
+    """Normal and CPU modes order differently from KV mode but never admit more than the
+    free blocks hold: three aged sessions of 400 blocks each do not enter 900 free blocks
+    together, whatever the mode; the first that does not fit reserves, in strict order."""
+    cfg = PackConfig(kv_reserve_frac=0.0, max_queue_wait_s=60)
+    queue = [q("old1", 400, at=0.0, seq=0), q("old2", 400, at=1.0, seq=1),
+             q("old3", 400, at=2.0, seq=2), q("small", 10, at=100.0, seq=3)]
+    pq = PackQueue(cfg)
+    for mode in (PackMode.NORMAL, PackMode.CPU, PackMode.KV):
+        res = pq.pack(queue, state(0.1), budget_slots=4, free_blocks=900, now=101.0,
+                      in_use=2, mode=mode)
+        assert res.session_ids == ["old1", "old2"], mode
+        assert res.reserved_for == "old3" and res.planned_blocks == 800, mode
+    # not aged: the mode's order, skipping what does not fit (CPU mode: large first)
+    fresh = [q("a", 500, share=0.1, seq=0), q("b", 450, share=0.1, seq=1),
+             q("c", 300, share=0.9, seq=2)]
+    res = pq.pack(fresh, state(0.1), budget_slots=3, free_blocks=900, now=1.0, in_use=2,
+                  mode=PackMode.NORMAL)
+    assert res.session_ids == ["c", "b"]  # 300 + 450; 500 no longer fits
+    res = pq.pack(fresh, state(0.1), budget_slots=3, free_blocks=900, now=1.0, in_use=2,
+                  mode=PackMode.CPU)
+    assert res.session_ids == ["a", "c"]  # 500 first (low share, large); 450 skipped
+    # unknown free blocks: no budget, the slots alone bound it
+    res = pq.pack(fresh, state(), budget_slots=3, free_blocks=None, now=1.0, in_use=2,
+                  mode=PackMode.NORMAL)
+    assert res.session_ids == ["c", "b", "a"]
+
+
 def test_kv_mode_respects_slot_budget():
     queue = [q(f"s{i}", 10, seq=i) for i in range(10)]
     res = PackQueue().pack(queue, state(0.9), budget_slots=3, free_blocks=100, now=0.0,

@@ -31,7 +31,7 @@ from mars.policy.window import WindowController, AIMDConfig, WindowDecision
 from mars.policy.events import make_event
 from mars.policy.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
                                  estimate_blocks)
-from mars.policy.pressure import DualPressureState, PressureConfig
+from mars.policy.pressure import DualPressureState, PressureConfig, PressureSignals
 
 
 class QueueFull(Exception):
@@ -50,6 +50,10 @@ class AdmissionConfig:
     max_queue: int = 1024
     #: Seconds a just-admitted session's block estimate stays reserved at most.
     pending_ttl_s: float = 30.0
+    #: Share of the KV pool the admitted sessions' projected contexts (each one's latest
+    #: prompt, from ``gpu_submit``) may fill; a new session is packed only into what is left
+    #: (``None``: off, only the free blocks bound packing). See :meth:`BalanceAndAdmit.room`.
+    projected_fill: float | None = 1.0
     aimd: AIMDConfig = field(default_factory=AIMDConfig)
     packing: PackConfig = field(default_factory=PackConfig)
     pressure: PressureConfig = field(default_factory=PressureConfig)
@@ -57,6 +61,8 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.projected_fill is not None and not self.projected_fill > 0:
+            raise ValueError("projected_fill must be > 0 (or None: off)")
 
 
 @dataclass(slots=True)
@@ -65,6 +71,13 @@ class AdmittedSession:
     admitted_at: float
     enqueued_at: float
     est_blocks: int
+    #: KV blocks its latest round's whole prompt needs (``gpu_submit``); until a round
+    #: reaches the engine, the estimate it was admitted with
+    projected_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.projected_blocks:
+            self.projected_blocks = self.est_blocks
 
 
 @dataclass(slots=True)
@@ -140,6 +153,32 @@ class BalanceAndAdmit:
         self._expire_pending(now)
         return sum(b for b, _ in self._pending.values())
 
+    def projected_blocks(self) -> int:
+        """KV blocks the admitted sessions' contexts need resident when their next rounds
+        come (each one's latest prompt)."""
+        return sum(a.projected_blocks for a in self._admitted.values())
+
+    def room(self, sig: PressureSignals, now: float) -> int | None:
+        """The KV budget PackQueue packs new sessions into (None: unknown).
+
+        The free blocks, less the estimates of sessions admitted but not yet resident
+        (pending), and at most what the admitted sessions' projected contexts leave of
+        ``projected_fill`` of the pool. The second bound is the paper's "projected footprint
+        ... against capacity" (§3) applied to sessions, not just rounds: between rounds an
+        agent's KV is freed (or pinned) while a tool runs, so the free blocks overstate the
+        room, and a session admitted into them makes the returning rounds recompute their
+        contexts or preempt each other (``mars sim``, H100 x Qwen3-Coder, ILR-3: admitted
+        contexts summing to 1.5-2.2 pools, 10-15 preemptions of 100K-185K-token prefills).
+        The progress rule still admits one session when none is admitted."""
+        free = sig.free_blocks
+        if free is None:
+            return None
+        free = max(0, free - self.pending_blocks(now))
+        fill = self.config.projected_fill
+        if fill is not None and sig.total_blocks:
+            free = min(free, max(0, int(fill * sig.total_blocks) - self.projected_blocks()))
+        return free
+
     # ------------------------------------------------------------------ inputs
     def observe(self, event: Any) -> bool:
         """Feed one event of the unified stream (dict or pydantic model)."""
@@ -148,7 +187,13 @@ class BalanceAndAdmit:
         ok = self.state.observe(event)
         if isinstance(event, Mapping):
             kind, sid = event.get("kind"), event.get("session_id")
-            if sid is not None and kind in ("gpu_1st_token", "gpu_end", "preempt"):
+            if kind == "gpu_submit" and sid is not None:
+                adm = self._admitted.get(str(sid))
+                blocks = event.get("projected_blocks")
+                if adm is not None and isinstance(blocks, int) and blocks >= 0:
+                    # a session's latest prompt is its whole context: it replaces, never adds
+                    adm.projected_blocks = blocks
+            elif sid is not None and kind in ("gpu_1st_token", "gpu_end", "preempt"):
                 self._pending.pop(str(sid), None)
             elif sid is not None and kind == "session_end":
                 self.release(str(sid))
@@ -205,9 +250,7 @@ class BalanceAndAdmit:
         admitted: list[str] = []
         admissions: list[tuple[str, float, int]] = []
         if self._queue:
-            free = sig.free_blocks
-            if free is not None:
-                free = max(0, free - self.pending_blocks(now))
+            free = self.room(sig, now)
             pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use)
             ttl = self.config.pending_ttl_s
             for qs in pack.sessions:

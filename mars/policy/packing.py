@@ -200,12 +200,10 @@ class PackQueue:
         aged_ids = {id(s) for s in aged}
         rest = sorted((s for s in queue if id(s) not in aged_ids), key=self.order_key(mode))
 
-        if mode is not PackMode.KV:
-            picks = (aged + rest)[:budget_slots]
-            return PackResult(picks, mode, why + (f"; {len(aged)} aged first" if aged else ""),
-                              planned_blocks=sum(s.est_blocks for s in picks))
-
-        # KV mode: feasible set under the free-block budget.
+        # Every mode packs a feasible set under the free-block budget; the mode only picks
+        # the order. (Normal and CPU modes once took the first ``budget_slots`` sessions
+        # whatever their size: three aged 138K-185K-token sessions entered a 301K-token
+        # cache at once in ``mars sim`` and preempted each other's prefills for 400 s.)
         if free_blocks is None:
             free_blocks = sig.free_blocks
         if free_blocks is None:
@@ -225,8 +223,9 @@ class PackQueue:
                 reserved = s
                 break
         if reserved is None:
-            # Smallest first, so an oversized session (wherever it arrived) sorts last and
-            # never blocks smaller admissible ones; a non-fitting one is skipped.
+            # In the mode's order (smallest first in normal and KV modes, so an oversized
+            # session sorts last); a session that does not fit is skipped, never blocking
+            # admissible ones behind it.
             for s in rest:
                 if len(picks) >= budget_slots:
                     break

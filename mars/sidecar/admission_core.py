@@ -48,8 +48,9 @@ STEP_KINDS = frozenset({"gpu_end", "gpu_1st_token", "kv_snapshot", "preempt", "s
 #: first token or ended
 PROGRESS_KINDS = frozenset({"kv_snapshot", "gpu_1st_token", "gpu_end"})
 #: events BalanceAndAdmit / DualPressureState read (the others would only cost a dispatch on
-#: the hot path); our own session_end is not among them: end() already released the session
-OBSERVED_KINDS = STEP_KINDS | {"request_end"}
+#: the hot path); our own session_end is not among them: end() already released the session.
+#: ``gpu_submit`` updates an admitted session's projected context (the packing room)
+OBSERVED_KINDS = STEP_KINDS | {"request_end", "gpu_submit"}
 _TOOL_KINDS = frozenset(TOOL_KINDS)
 
 __all__ = ["AdmissionCore", "CoreConfig", "Listener", "QueueFull", "SessionState"]
