@@ -155,3 +155,32 @@ def test_the_wait_deadline_is_a_stall_bound_that_moves_with_progress():
     assert c.wait_deadline(1.0, 10.0) == 19.0
     c.end_session("a", "idle", 20.0)  # a slot comes free: progress
     assert c.wait_deadline(1.0, 10.0) == 30.0
+
+
+def test_the_engine_s_gpu_submit_reaches_the_packing_room():
+    """``gpu_submit`` is one of the events the core hands to BalanceAndAdmit: an admitted
+    session's projected context then bounds what later sessions are packed into, also once
+    the KV snapshot has gone stale (the pool's size is the engine's, not the snapshot's)."""
+    from mars.policy.events import make_event
+    from mars.policy.packing import PackConfig
+
+    sh = Shell(window=4, packing=PackConfig(kv_reserve_frac=0.0))
+    c = sh.core
+    c.observe(make_event("scheduler_start", ts=0.0, scheduler_cls="x", policy="mars",
+                         total_blocks=1000, block_size=16, pid=1), 0.0)
+    c.observe(make_event("kv_snapshot", ts=0.0, total_blocks=1000, free_blocks=1000,
+                         used_blocks=0, running=0, waiting=0), 0.0)
+    a = c.arrive("a", 0.0, prompt_tokens=100 * 16)
+    assert [s.id for s in c.step(0.0)] == ["a"]
+    c.observe(make_event("gpu_submit", ts=0.1, session_id="a", request_id="a.r0", round=0,
+                         prompt_tokens=900 * 16, projected_blocks=900), 0.1)
+    assert c.balance.projected_blocks() == 900
+    c.observe(make_event("gpu_end", ts=0.2, session_id="a", request_id="a.r0",
+                         freed_blocks=900, output_tokens=5, status="finished_stopped"), 0.2)
+    # a's tool runs for a minute: the engine is idle, its last snapshot goes stale
+    b = c.arrive("b", 1.0, prompt_tokens=200 * 16)
+    assert c.step(60.0) == [] and not b.is_admitted  # 1000 - 900 left: b does not fit
+    assert c.balance.room(c.balance.state.signals(60.0), 60.0) == 100
+    c.forward(a, 61.0, last_round=True)
+    c.finish(a, "ok", 61.5)
+    assert [s.id for s in c.step(62.0)] == ["b"]

@@ -150,6 +150,32 @@ def test_packing_room_is_what_the_admitted_sessions_contexts_leave():
         AdmissionConfig(projected_fill=0.0)
 
 
+def test_a_side_call_in_flight_does_not_hide_the_main_context():
+    """The projected context is the largest prompt the session has in the engine, else its
+    latest: a title or summary call submitted while the main call runs does not shrink it,
+    and a condensed history (a smaller latest prompt, nothing in flight) does."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    snapshot(ba, 0.0, total=1000, used=0)
+    ba.enqueue("a", 0.0, est_blocks=100)
+    ba.step(0.0)
+    submit(ba, "a", 1.0, 700, rnd=3)
+    ba.observe(make_event("gpu_submit", ts=1.1, session_id="a", request_id="a.title",
+                          prompt_tokens=160, projected_blocks=10))
+    assert ba.projected_blocks() == 700
+    ba.observe(make_event("gpu_end", ts=1.5, session_id="a", request_id="a.r3",
+                          freed_blocks=700, output_tokens=9, status="finished_stopped"))
+    assert ba.projected_blocks() == 10  # only the side call is in flight now
+    ba.observe(make_event("gpu_end", ts=1.6, session_id="a", request_id="a.title",
+                          freed_blocks=10, output_tokens=3, status="finished_stopped"))
+    submit(ba, "a", 2.0, 300, rnd=4)  # condensed history
+    ba.observe(make_event("gpu_end", ts=2.5, session_id="a", request_id="a.r4",
+                          freed_blocks=300, output_tokens=9, status="finished_stopped"))
+    assert ba.projected_blocks() == 300
+    for bad in (float("inf"), float("nan"), -1.0, "1"):
+        with pytest.raises(ValueError):
+            AdmissionConfig(projected_fill=bad)
+
+
 def test_projected_room_keeps_the_progress_rule():
     """A session whose context alone exceeds the pool's share is still admitted when nothing
     is admitted (waiting frees nothing)."""

@@ -24,6 +24,7 @@ the same free blocks several times.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -61,8 +62,10 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        if self.projected_fill is not None and not self.projected_fill > 0:
-            raise ValueError("projected_fill must be > 0 (or None: off)")
+        fill = self.projected_fill
+        if fill is not None and not (isinstance(fill, (int, float)) and math.isfinite(fill)
+                                     and fill > 0):
+            raise ValueError("projected_fill must be a finite number > 0 (or None: off)")
 
 
 @dataclass(slots=True)
@@ -71,13 +74,22 @@ class AdmittedSession:
     admitted_at: float
     enqueued_at: float
     est_blocks: int
-    #: KV blocks its latest round's whole prompt needs (``gpu_submit``); until a round
-    #: reaches the engine, the estimate it was admitted with
-    projected_blocks: int = 0
+    #: KV blocks of its latest request's whole prompt (``gpu_submit``); None until one
+    #: reaches the engine
+    latest_blocks: int | None = None
+    #: request id -> KV blocks, for its requests in the engine (``gpu_submit`` to ``gpu_end``)
+    inflight: dict[str, int] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if not self.projected_blocks:
-            self.projected_blocks = self.est_blocks
+    @property
+    def projected_blocks(self) -> int:
+        """KV blocks the session's context needs resident when its next round comes: the
+        largest prompt it has in the engine, else its latest one (a session's latest prompt
+        is its whole context: it replaces, never adds), else the admission estimate. The
+        largest in flight, so a small side call (a title, a summary) submitted while the
+        main call runs does not hide the main context."""
+        if self.inflight:
+            return max(self.inflight.values())
+        return self.est_blocks if self.latest_blocks is None else self.latest_blocks
 
 
 @dataclass(slots=True)
@@ -159,24 +171,27 @@ class BalanceAndAdmit:
         return sum(a.projected_blocks for a in self._admitted.values())
 
     def room(self, sig: PressureSignals, now: float) -> int | None:
-        """The KV budget PackQueue packs new sessions into (None: unknown).
+        """The KV budget PackQueue packs new sessions into (None: unknown, no bound).
 
         The free blocks, less the estimates of sessions admitted but not yet resident
         (pending), and at most what the admitted sessions' projected contexts leave of
         ``projected_fill`` of the pool. The second bound is the paper's "projected footprint
-        ... against capacity" (§3) applied to sessions, not just rounds: between rounds an
-        agent's KV is freed (or pinned) while a tool runs, so the free blocks overstate the
-        room, and a session admitted into them makes the returning rounds recompute their
+        ... against current free capacity" (§4.1) applied to sessions, not just rounds:
+        between rounds an agent's KV is freed (or pinned) while a tool runs, so the free
+        blocks overstate the room, and a session admitted into them makes the returning rounds recompute their
         contexts or preempt each other (``mars sim``, H100 x Qwen3-Coder, ILR-3: admitted
-        contexts summing to 1.5-2.2 pools, 10-15 preemptions of 100K-185K-token prefills).
-        The progress rule still admits one session when none is admitted."""
+        contexts summing to 1.5-2.2 pools, 7-15 preemptions of 100K-185K-token prefills per
+        run). The pool's size is the last one the engine reported (it does not go stale):
+        the bound holds while the KV snapshot is stale (every session in a long tool call,
+        the engine idle) or not yet in. The progress rule still admits one session when
+        none is admitted."""
         free = sig.free_blocks
-        if free is None:
-            return None
-        free = max(0, free - self.pending_blocks(now))
-        fill = self.config.projected_fill
-        if fill is not None and sig.total_blocks:
-            free = min(free, max(0, int(fill * sig.total_blocks) - self.projected_blocks()))
+        if free is not None:
+            free = max(0, free - self.pending_blocks(now))
+        fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
+        if fill is not None and pool:
+            left = max(0, int(fill * pool) - self.projected_blocks())
+            free = left if free is None else min(free, left)
         return free
 
     # ------------------------------------------------------------------ inputs
@@ -190,11 +205,15 @@ class BalanceAndAdmit:
             if kind == "gpu_submit" and sid is not None:
                 adm = self._admitted.get(str(sid))
                 blocks = event.get("projected_blocks")
-                if adm is not None and isinstance(blocks, int) and blocks >= 0:
-                    # a session's latest prompt is its whole context: it replaces, never adds
-                    adm.projected_blocks = blocks
+                if adm is not None and isinstance(blocks, (int, float)) and blocks >= 0:
+                    adm.latest_blocks = int(blocks)
+                    adm.inflight[str(event.get("request_id"))] = int(blocks)
+                    ok = True
             elif sid is not None and kind in ("gpu_1st_token", "gpu_end", "preempt"):
                 self._pending.pop(str(sid), None)
+                adm = self._admitted.get(str(sid))
+                if kind == "gpu_end" and adm is not None:
+                    adm.inflight.pop(str(event.get("request_id")), None)
             elif sid is not None and kind == "session_end":
                 self.release(str(sid))
         return ok

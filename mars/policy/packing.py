@@ -13,16 +13,18 @@ the packer orders or selects by it according to the operating regime:
     low ``tool_share`` first, then long (large) sessions, which spend more of each round on the
     GPU and so inject fewer tool calls per unit of time.
 ``kv``
-    KV pressure, or a queue dominated by sessions that are large relative to the free pool:
-    assemble a feasible set under the free-block budget (smallest first, skipping whatever
-    does not fit) instead of letting an oversized head block smaller admissible sessions.
+    KV pressure, or a queue dominated by sessions that are large relative to the budget:
+    smaller sessions first, as in ``normal``.
+
+Every mode packs a feasible set under the block budget, skipping whatever does not fit (an
+oversized session never blocks smaller admissible ones); the mode only picks the order.
 
 Anti-starvation, in every mode: a session queued for ``max_queue_wait_s`` or longer is *aged*;
-aged sessions go before all others, oldest first, regardless of mode. In ``kv`` mode an aged
-session that does not fit takes a *reservation*: nothing else is admitted (no backfill) until
-it fits, so the blocks freed by ending sessions accumulate for it. Progress rule: when no
-session is admitted at all (``in_use == 0``) the first candidate is admitted even if it does
-not fit, because waiting cannot free more memory. Together these bound every wait (see
+aged sessions go before all others, oldest first, regardless of mode. An aged session that
+does not fit takes a *reservation*: nothing else is admitted (no backfill) until it fits, so
+the blocks freed by ending sessions accumulate for it. Progress rule: when no session is
+admitted at all (``in_use == 0``) the first candidate is admitted even if it does not fit,
+because waiting cannot free more memory. Together these bound every wait (see
 docs/control_plane.md, "Anti-starvation bound").
 
 Pure functions of their inputs; ``now`` is passed in.
@@ -64,17 +66,17 @@ class PackConfig:
     block_size: int = 16
     #: A session queued this long (seconds) is aged: it goes first in every mode.
     max_queue_wait_s: float = 60.0
-    #: KV utilisation at or above which the packer switches to KV (feasible-set) mode.
+    #: KV utilisation at or above which the packer switches to KV mode.
     kv_mode_utilisation: float = 0.80
     #: The queue is long-dominated (-> KV mode) when its median block estimate exceeds this
-    #: fraction of the free blocks (0.25: fewer than four median sessions fit).
+    #: fraction of the packing budget (0.25: fewer than four median sessions fit).
     long_dominated_frac: float = 0.25
     #: CPU load (active tools / tool cores) at or above which CPU mode is used.
     cpu_mode_load: float = 0.85
     #: Tool share assumed for sessions without a ``tool_share`` hint (CPU-mode ordering).
     default_tool_share: float = 0.5
-    #: Fraction of all KV blocks kept out of the KV-mode packing budget, as room for the
-    #: growth of sessions already admitted.
+    #: Fraction of all KV blocks kept out of the packing budget, as room for the growth of
+    #: sessions already admitted.
     kv_reserve_frac: float = 0.05
 
     def __post_init__(self) -> None:
@@ -141,8 +143,10 @@ def choose_mode(signals: PressureSignals, queue: Sequence[QueuedSession],
     * CPU: ``cpu_load >= cpu_mode_load``.
     * otherwise normal.
 
-    Unknown KV (no snapshot) never selects KV mode. ``free_blocks`` overrides the snapshot's
-    (the admission layer passes free blocks minus blocks promised to just-admitted sessions).
+    Unknown KV (no snapshot) never selects KV mode by utilisation. ``free_blocks`` overrides
+    the snapshot's (the admission layer passes its packing room: the free blocks less those
+    promised to just-admitted sessions, at most what the admitted sessions' projected
+    contexts leave; ``BalanceAndAdmit.room``).
     """
     cfg = config or PackConfig()
     free = free_blocks if free_blocks is not None else signals.free_blocks
@@ -153,7 +157,7 @@ def choose_mode(signals: PressureSignals, queue: Sequence[QueuedSession],
         med = statistics.median(s.est_blocks for s in queue)
         if med > cfg.long_dominated_frac * max(0, free):
             return PackMode.KV, (f"long-dominated queue: median {med:g} blocks > "
-                                 f"{cfg.long_dominated_frac:.2f} x free {free}")
+                                 f"{cfg.long_dominated_frac:.2f} x budget {free}")
     if signals.cpu_load >= cfg.cpu_mode_load:
         return PackMode.CPU, f"cpu load {signals.cpu_load:.2f} >= {cfg.cpu_mode_load:.2f}"
     return PackMode.NORMAL, "no pressure"

@@ -149,6 +149,10 @@ class PressureSignals:
     tool_slowdown: float | None
     #: monotone count of tool_start events (for rate estimation by the controller)
     tool_starts_total: int
+    #: the engine's KV pool size in blocks as last reported (``scheduler_start`` or any
+    #: ``kv_snapshot``): a fixed fact about the engine, so it never goes stale, unlike
+    #: ``total_blocks``, which is None whenever the snapshot is (None: never reported)
+    pool_blocks: int | None = None
 
     @property
     def kv_known(self) -> bool:
@@ -175,6 +179,7 @@ class DualPressureState:
         # KV snapshot
         self._kv: dict[str, int] | None = None
         self._kv_ts: float | None = None
+        self.pool_blocks: int | None = None
         self.block_size: int | None = None
         # compute
         self._preempt_ts: deque[float] = deque()
@@ -228,6 +233,8 @@ class DualPressureState:
         if self._kv_ts is not None and ts < self._kv_ts:
             return
         self._kv, self._kv_ts = snap, ts
+        if snap["total_blocks"] > 0:
+            self.pool_blocks = snap["total_blocks"]
 
     def _on_scheduler_start(self, ev: Any, ts: float) -> None:
         bs = int(_get(ev, "block_size"))
@@ -236,6 +243,8 @@ class DualPressureState:
         # An engine restart invalidates everything the old engine reported.
         self._kv, self._kv_ts = None, None
         self._preempt_ts.clear()
+        total = _get(ev, "total_blocks")
+        self.pool_blocks = int(total) if total is not None and int(total) > 0 else None
 
     def _on_preempt(self, ev: Any, ts: float) -> None:
         self._preempt_ts.append(ts)
@@ -431,4 +440,5 @@ class DualPressureState:
             tool_duration_ema=self.tool_duration.value,
             tool_slowdown=self._slowdown.value if active > 0 else None,
             tool_starts_total=self.tool_starts_total,
+            pool_blocks=self.pool_blocks,
         )
