@@ -178,10 +178,10 @@ class BalanceAndAdmit:
         ``projected_fill`` of the pool. The second bound is the paper's "projected footprint
         ... against current free capacity" (§4.1) applied to sessions, not just rounds:
         between rounds an agent's KV is freed (or pinned) while a tool runs, so the free
-        blocks overstate the room, and a session admitted into them makes the returning rounds recompute their
-        contexts or preempt each other (``mars sim``, H100 x Qwen3-Coder, ILR-3: admitted
-        contexts summing to 1.5-2.2 pools, 7-15 preemptions of 100K-185K-token prefills per
-        run). The pool's size is the last one the engine reported (it does not go stale):
+        blocks overstate the room, and a session admitted into them makes the returning
+        rounds recompute their contexts or preempt each other (``mars sim``, H100 x
+        Qwen3-Coder, ILR-3: admitted contexts summing to 1.5-2.2 pools, 7-15 preemptions of
+        100K-185K-token prefills per run). The pool's size is the last one the engine reported (it does not go stale):
         the bound holds while the KV snapshot is stale (every session in a long tool call,
         the engine idle) or not yet in. The progress rule still admits one session when
         none is admitted."""
@@ -200,22 +200,22 @@ class BalanceAndAdmit:
         if not isinstance(event, Mapping) and hasattr(event, "model_dump"):
             event = event.model_dump()
         ok = self.state.observe(event)
-        if isinstance(event, Mapping):
-            kind, sid = event.get("kind"), event.get("session_id")
-            if kind == "gpu_submit" and sid is not None:
-                adm = self._admitted.get(str(sid))
-                blocks = event.get("projected_blocks")
-                if adm is not None and isinstance(blocks, (int, float)) and blocks >= 0:
-                    adm.latest_blocks = int(blocks)
-                    adm.inflight[str(event.get("request_id"))] = int(blocks)
-                    ok = True
-            elif sid is not None and kind in ("gpu_1st_token", "gpu_end", "preempt"):
-                self._pending.pop(str(sid), None)
-                adm = self._admitted.get(str(sid))
-                if kind == "gpu_end" and adm is not None:
-                    adm.inflight.pop(str(event.get("request_id")), None)
-            elif sid is not None and kind == "session_end":
-                self.release(str(sid))
+        if not isinstance(event, Mapping) or event.get("session_id") is None:
+            return ok
+        kind, sid = event.get("kind"), str(event["session_id"])
+        adm = self._admitted.get(sid)
+        if kind == "gpu_submit":
+            blocks = event.get("projected_blocks")
+            if adm is not None and isinstance(blocks, (int, float)) and blocks >= 0:
+                adm.latest_blocks = int(blocks)
+                adm.inflight[str(event.get("request_id"))] = int(blocks)
+                ok = True
+        elif kind in ("gpu_1st_token", "gpu_end", "preempt"):
+            self._pending.pop(sid, None)
+            if kind == "gpu_end" and adm is not None:
+                adm.inflight.pop(str(event.get("request_id")), None)
+        elif kind == "session_end":
+            self.release(sid)
         return ok
 
     def enqueue(self, session_id: str, now: float, *, prompt_tokens: int = 0,
