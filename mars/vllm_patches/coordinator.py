@@ -25,14 +25,7 @@ inside a step:
   while it has none; the time a chunk added to its step (the step's time minus a decode
   step's, :class:`~mars.policy.step_stats.StepStats`) is charged after the step. With the
   default 1.0 the higher-priority calls' token rate at most halves, whatever the model and
-  the GPU, and the prefill still progresses at half the engine's rate. A prefill sitting out
-  keeps the blocks it has computed idle, and its whole prompt is spoken for, so the bound
-  trades its memory for the others' speed; it applies only while the rest of the pool could
-  hold at least as much as the prefill's prompt (``prompt <= pool - prompt``). A prompt that
-  needs more than half the pool leaves room for less than itself beside it: bounding it
-  idled most of the pool for a few calls in the rest, and on an emulated H100 NVL x
-  Qwen3-Coder (a 281K-token pool, 138K-185K-token sessions) cost 1-7 % of mean latency
-  where the engine was the bottleneck (docs/policies.md). (An earlier rule
+  the GPU, and the prefill still progresses at half the engine's rate. (An earlier rule
   capped the chunk at one decode step's worth of prefill *per step*; on an MoE model a small
   chunk touches many more experts, so that cap came out at 16-30 tokens a step and an
   emulated H100 gave a 60K-token prompt its first token after 50-70 s instead of 5.)
@@ -63,8 +56,7 @@ class Coordinator:
     def __init__(self, policy: OrderingPolicy, calls: dict[str, EngineCall], *,
                  block_size: int, token_budget: int, max_running: int,
                  free_blocks: Callable[[], int], prefill_yield: bool,
-                 step_stats: StepStats | None = None, interference: float = 0.0,
-                 pool_tokens: int = 0) -> None:
+                 step_stats: StepStats | None = None, interference: float = 0.0) -> None:
         self.policy = policy
         #: whether this policy orders at all (arrival order is vLLM's own: nothing to do)
         self.active = policy.reorders
@@ -93,9 +85,6 @@ class Coordinator:
         #: they sit out), and what the current step did with them (None: no bound applied)
         self._credit = 0.0
         self._bounded_step: bool | None = None
-        #: a prefill whose prompt is longer than this is never bounded: half the pool's
-        #: tokens (0: the pool's size is unknown, every prompt may be bounded)
-        self._max_bounded_prompt = pool_tokens // 2 if pool_tokens > 0 else None
 
     # ------------------------------------------------------------------ lifecycle
     def on_arrival(self, call: EngineCall, now: float) -> int | None:
@@ -258,9 +247,6 @@ class Coordinator:
         block when the better call is a waiting one)."""
         if not self._interference or self._stats.decode_step_s is None:
             return n
-        cap = self._max_bounded_prompt
-        if cap is not None and request.num_prompt_tokens > cap:
-            return n  # the rest of the pool holds less than it: see the module docstring
         if not self._decode_scanned:
             # the first decode in the sorted running list is the best-ranked one
             self._decode_scanned = True

@@ -100,8 +100,7 @@ class MarsSchedulerMixin:
             max_running=self.max_num_running_reqs,
             free_blocks=pool.get_num_free_blocks, prefill_yield=spec.prefill_yield,
             step_stats=self.mars_step_stats,
-            interference=float(cfg.get("prefill_interference", spec.prefill_interference)),
-            pool_tokens=total * self.block_size)
+            interference=float(cfg.get("prefill_interference", spec.prefill_interference)))
         self.mars_cosched = CoScheduler(
             retention, self.kv_cache_manager, block_size=self.block_size,
             total_blocks=total, lookahead_tokens=self.num_lookahead_tokens,
