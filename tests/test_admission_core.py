@@ -184,3 +184,39 @@ def test_the_engine_s_gpu_submit_reaches_the_packing_room():
     c.forward(a, 61.0, last_round=True)
     c.finish(a, "ok", 61.5)
     assert [s.id for s in c.step(62.0)] == ["b"]
+
+
+def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
+    """The gaps between a session's rounds are measured when the core sees the events (its
+    own clock, the one its steps use), not by the engine's timestamps, so a skewed engine
+    clock cannot make every session look quiet; the views say which sessions are."""
+    from mars.policy.events import make_event
+
+    sh = Shell(window=4)
+    c = sh.core
+    a = c.arrive("a", 0.0, prompt_tokens=16)
+    c.arrive("b", 0.0, prompt_tokens=16)
+    assert {s.id for s in c.step(0.0)} == {"a", "b"}
+    del a
+
+    def call(sid: str, rnd: int, start: float, end: float) -> None:
+        # the engine's clock is an hour behind the core's
+        c.observe(make_event("gpu_submit", ts=start - 3600, session_id=sid,
+                             request_id=f"{sid}.r{rnd}", round=rnd, prompt_tokens=160,
+                             projected_blocks=10), start)
+        c.observe(make_event("gpu_end", ts=end - 3600, session_id=sid,
+                             request_id=f"{sid}.r{rnd}", freed_blocks=10, output_tokens=3,
+                             status="finished_stopped"), end)
+
+    call("b", 0, 0.5, 1.0)
+    for rnd in range(9):
+        call("a", rnd, 1.0 + 2 * rnd, 2.0 + 2 * rnd)  # 1 s between rounds
+    assert c.balance.gaps.longest() == 1.0
+    now = 30.0
+    view = {s["session_id"]: s["quiet"] for s in c.sessions_view(now)}
+    assert view == {"a": True, "b": True}  # both idle longer than 1 s
+    snap = c.snapshot(now)
+    assert snap["quiet_sessions"] == 2 and snap["projected_blocks"] == 0
+    assert snap["round_gap_longest_s"] == 1.0
+    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(18.5)} == {"a": False,
+                                                                           "b": True}

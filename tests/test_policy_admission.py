@@ -176,6 +176,78 @@ def test_a_side_call_in_flight_does_not_hide_the_main_context():
             AdmissionConfig(projected_fill=bad)
 
 
+def _round(ba: BalanceAndAdmit, sid: str, rnd: int, start: float, end: float,
+           blocks: int) -> None:
+    """One call of session ``sid`` in the engine from ``start`` to ``end``."""
+    submit(ba, sid, start, blocks, rnd)
+    ba.observe(make_event("gpu_end", ts=end, session_id=sid, request_id=f"{sid}.r{rnd}",
+                          freed_blocks=blocks, output_tokens=9, status="finished_stopped"))
+
+
+def test_a_session_quiet_past_every_recent_round_gap_leaves_the_room():
+    """A client that never ends its session (no last-round marker) must not hold its share
+    of the pool until the idle reaper while others queue: once it has been idle longer than
+    every gap between two rounds seen recently, its context no longer counts; its next call
+    counts it again. Until enough gaps are known, nothing is judged quiet."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    snapshot(ba, 0.0, total=1000, used=0)
+    ba.enqueue("a", 0.0, est_blocks=100)
+    ba.enqueue("gone", 0.0, est_blocks=100)
+    assert ba.step(0.0).admitted == ["a", "gone"]
+    _round(ba, "gone", 0, 0.5, 1.0, 600)  # then never heard of again
+    for rnd in range(8):  # "a" works in rounds with 2 s between them (its tools)
+        _round(ba, "a", rnd, 1.0 + 3 * rnd, 2.0 + 3 * rnd, 200)
+    assert len(ba.gaps) == 7 and ba.gaps.longest() is None  # too few to judge anyone
+    assert ba.quiet_sessions(30.0) == [] and ba.projected_blocks(30.0) == 800
+    submit(ba, "a", 25.0, 200, rnd=8)  # the 8th gap, 2 s; this call stays in flight
+    assert ba.gaps.longest() == pytest.approx(2.0)
+    now = 25.5
+    assert ba.quiet_sessions(now) == ["gone"]  # idle 24.5 s > 2 s
+    assert ba.projected_blocks(now) == 200  # a's call in flight; gone's 600 not counted
+    assert ba.projected_blocks() == 800  # without a clock nothing is judged quiet
+    snapshot(ba, now, total=1000, used=200)
+    ba.enqueue("b", now, est_blocks=500)
+    assert ba.step(now).admitted == ["b"]  # 1000 - 200 >= 500; with gone counted: 200
+    # gone comes back: its context counts again
+    submit(ba, "gone", now + 1.0, 650, rnd=1)
+    assert ba.quiet_sessions(now + 1.0) == []
+    assert ba.projected_blocks(now + 1.0) == 200 + 650 + 500
+    # an open tool call is not quiet, however long it runs
+    ba.observe(make_event("gpu_end", ts=now + 2.0, session_id="gone", request_id="gone.r1",
+                          freed_blocks=650, output_tokens=9, status="finished_stopped"))
+    ba.observe(make_event("tool_start", ts=now + 2.0, session_id="gone", tool="bash",
+                          call_id="c1"))
+    assert ba.state.active_tools_of("gone") == 1
+    assert ba.quiet_sessions(now + 600.0) == []
+    ba.observe(make_event("tool_end", ts=now + 600.0, session_id="gone", tool="bash",
+                          call_id="c1", duration_s=598.0))
+    # gone's return after 25.5 s was a gap between two of its rounds: the yardstick grew
+    assert ba.gaps.longest() == pytest.approx(25.5)
+    assert ba.quiet_sessions(now + 625.0) == []  # its tool ended at +600: a sign of life
+    assert ba.quiet_sessions(now + 626.0) == ["gone"]
+    # a tool call queued for a core (not started, so not open) is a sign of life too
+    ba.observe(make_event("tool_enqueue", ts=now + 627.0, session_id="gone", tool="bash",
+                          call_id="c2"))
+    assert ba.quiet_sessions(now + 630.0) == []
+
+
+def test_round_gaps_forget_the_oldest():
+    from mars.policy.admission import RoundGaps
+    g = RoundGaps(max_samples=3, min_samples=2)
+    g.observe(9.0)
+    assert g.longest() is None
+    for x in (1.0, 2.0):
+        g.observe(x)
+    assert g.longest() == 9.0
+    g.observe(3.0)  # 9.0 leaves the window
+    assert g.longest() == 3.0
+    for bad in (float("nan"), float("inf"), -1.0):
+        g.observe(bad)
+    assert len(g) == 3
+    with pytest.raises(ValueError):
+        RoundGaps(min_samples=0)
+
+
 def test_projected_room_keeps_the_progress_rule():
     """A session whose context alone exceeds the pool's share is still admitted when nothing
     is admitted (waiting frees nothing)."""

@@ -19,12 +19,24 @@ engine, so the next ``kv_snapshot`` still shows its blocks as free. Its estimate
 reports its first token (its prompt is then resident), a ``gpu_end``/``preempt`` for it, its
 release, or ``pending_ttl_s``. Without this, a burst of steps between two snapshots would admit
 the same free blocks several times.
+
+Quiet sessions: an admitted session's projected context counts in the packing room until it
+ends. A client that never says it is done (no last-round marker, no ``DELETE``) would hold its
+share of the pool until the idle reaper (``idle_timeout_s``, default 300 s) while sessions
+queue and, with every admitted context idle, nothing runs. So a session with no call in the
+engine and no open tool call stops counting once it has been idle for longer than every gap
+between two rounds of a session recently observed (:class:`RoundGaps`: a call ending to the
+same session's next call arriving, tool time included), counting from its last sign of
+life (that call's end, or a tool call of its queued, started or ended); it counts again with
+its next call.
+The yardstick is measured, not set: agents whose tools run minutes wait minutes.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -79,6 +91,10 @@ class AdmittedSession:
     latest_blocks: int | None = None
     #: request id -> KV blocks, for its requests in the engine (``gpu_submit`` to ``gpu_end``)
     inflight: dict[str, int] = field(default_factory=dict)
+    #: when its last call in the engine ended (None: a call is in flight, or none ended yet)
+    round_end: float | None = None
+    #: its last sign of life since then (that end, or a tool call queued, started or ended)
+    idle_since: float | None = None
 
     @property
     def projected_blocks(self) -> int:
@@ -90,6 +106,43 @@ class AdmittedSession:
         if self.inflight:
             return max(self.inflight.values())
         return self.est_blocks if self.latest_blocks is None else self.latest_blocks
+
+
+class RoundGaps:
+    """The recent gaps between two rounds of a session: how long a session with nothing in
+    the engine may still be between rounds (a tool, the client's own work) rather than gone.
+
+    Bounded: the last ``max_samples`` gaps over all sessions. Below ``min_samples`` it claims
+    nothing (:meth:`longest` is None) and no session is judged quiet. The defaults are those
+    of the retention policy's tool-duration model (:mod:`mars.policy.retention`)."""
+
+    def __init__(self, max_samples: int = 512, min_samples: int = 8) -> None:
+        if max_samples < 1 or min_samples < 1:
+            raise ValueError("max_samples and min_samples must be >= 1")
+        self.min_samples = min_samples
+        self._gaps: deque[float] = deque(maxlen=max_samples)
+        self._longest: float | None = None  # cache, None = recompute
+
+    def observe(self, gap: float) -> None:
+        if not math.isfinite(gap) or gap < 0:
+            return
+        full = len(self._gaps) == self._gaps.maxlen
+        self._gaps.append(gap)
+        if full or self._longest is None:
+            self._longest = None  # the oldest may have been the longest
+        else:
+            self._longest = max(self._longest, gap)
+
+    def __len__(self) -> int:
+        return len(self._gaps)
+
+    def longest(self) -> float | None:
+        """The longest recent gap, or None with fewer than ``min_samples`` gaps."""
+        if len(self._gaps) < self.min_samples:
+            return None
+        if self._longest is None:
+            self._longest = max(self._gaps)
+        return self._longest
 
 
 @dataclass(slots=True)
@@ -135,6 +188,7 @@ class BalanceAndAdmit:
         self._pending: dict[str, tuple[int, float]] = {}
         self._seq = itertools.count()
         self.last: StepResult | None = None
+        self.gaps = RoundGaps()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -165,10 +219,26 @@ class BalanceAndAdmit:
         self._expire_pending(now)
         return sum(b for b, _ in self._pending.values())
 
-    def projected_blocks(self) -> int:
+    def projected_blocks(self, now: float | None = None) -> int:
         """KV blocks the admitted sessions' contexts need resident when their next rounds
-        come (each one's latest prompt)."""
-        return sum(a.projected_blocks for a in self._admitted.values())
+        come (each one's latest prompt); with ``now``, quiet sessions (module docstring)
+        are left out."""
+        longest = self.gaps.longest() if now is not None else None
+        if longest is None:
+            return sum(a.projected_blocks for a in self._admitted.values())
+        tools = self.state.active_tools_of
+        return sum(a.projected_blocks for a in self._admitted.values()
+                   if a.idle_since is None or now - a.idle_since <= longest
+                   or tools(a.session_id) > 0)
+
+    def quiet_sessions(self, now: float) -> list[str]:
+        """Admitted sessions the packing room does not count now (module docstring)."""
+        longest = self.gaps.longest()
+        if longest is None:
+            return []
+        return [a.session_id for a in self._admitted.values()
+                if a.idle_since is not None and now - a.idle_since > longest
+                and self.state.active_tools_of(a.session_id) == 0]
 
     def room(self, sig: PressureSignals, now: float) -> int | None:
         """The KV budget PackQueue packs new sessions into (None: unknown, no bound).
@@ -190,13 +260,14 @@ class BalanceAndAdmit:
             free = max(0, free - self.pending_blocks(now))
         fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
         if fill is not None and pool:
-            left = max(0, int(fill * pool) - self.projected_blocks())
+            left = max(0, int(fill * pool) - self.projected_blocks(now))
             free = left if free is None else min(free, left)
         return free
 
     # ------------------------------------------------------------------ inputs
-    def observe(self, event: Any) -> bool:
-        """Feed one event of the unified stream (dict or pydantic model)."""
+    def observe(self, event: Any, now: float | None = None) -> bool:
+        """Feed one event of the unified stream (dict or pydantic model). ``now``: when it
+        arrived on the caller's clock (the one :meth:`step` gets); default its ``ts``."""
         if not isinstance(event, Mapping) and hasattr(event, "model_dump"):
             event = event.model_dump()
         ok = self.state.observe(event)
@@ -207,6 +278,11 @@ class BalanceAndAdmit:
         if kind == "gpu_submit":
             blocks = event.get("projected_blocks")
             if adm is not None and isinstance(blocks, (int, float)) and blocks >= 0:
+                if adm.round_end is not None and not adm.inflight:
+                    t = _when(event, now)
+                    if t is not None:
+                        self.gaps.observe(t - adm.round_end)
+                adm.round_end = adm.idle_since = None
                 adm.latest_blocks = int(blocks)
                 adm.inflight[str(event.get("request_id"))] = int(blocks)
                 ok = True
@@ -214,6 +290,12 @@ class BalanceAndAdmit:
             self._pending.pop(sid, None)
             if kind == "gpu_end" and adm is not None:
                 adm.inflight.pop(str(event.get("request_id")), None)
+                if not adm.inflight:
+                    adm.round_end = adm.idle_since = _when(event, now)
+        elif kind in _TOOL_LIFE and adm is not None and adm.idle_since is not None:
+            t = _when(event, now)
+            if t is not None:
+                adm.idle_since = max(adm.idle_since, t)
         elif kind == "session_end":
             self.release(sid)
         return ok
@@ -283,3 +365,15 @@ class BalanceAndAdmit:
         result = StepResult(admitted, decision, pack, self.in_use, self.queued, admissions)
         self.last = result
         return result
+
+
+#: a session's tool calls: signs of life between its rounds (a call queued for a core has not
+#: started, so the pressure state does not count it as open)
+_TOOL_LIFE = frozenset({"tool_enqueue", "tool_start", "tool_end"})
+
+
+def _when(event: Mapping, now: float | None) -> float | None:
+    if now is not None:
+        return now
+    ts = event.get("ts")
+    return float(ts) if isinstance(ts, (int, float)) and math.isfinite(ts) else None

@@ -49,8 +49,9 @@ STEP_KINDS = frozenset({"gpu_end", "gpu_1st_token", "kv_snapshot", "preempt", "s
 PROGRESS_KINDS = frozenset({"kv_snapshot", "gpu_1st_token", "gpu_end"})
 #: events BalanceAndAdmit / DualPressureState read (the others would only cost a dispatch on
 #: the hot path); our own session_end is not among them: end() already released the session.
-#: ``gpu_submit`` updates an admitted session's projected context (the packing room)
-OBSERVED_KINDS = STEP_KINDS | {"request_end", "gpu_submit"}
+#: ``gpu_submit`` updates an admitted session's projected context (the packing room);
+#: ``tool_enqueue`` is a sign of life of a session between rounds (quiet sessions)
+OBSERVED_KINDS = STEP_KINDS | {"request_end", "gpu_submit", "tool_enqueue"}
 _TOOL_KINDS = frozenset(TOOL_KINDS)
 
 __all__ = ["AdmissionCore", "CoreConfig", "Listener", "QueueFull", "SessionState"]
@@ -246,7 +247,7 @@ class AdmissionCore:
         elif kind in PROGRESS_KINDS:
             self.last_progress = now
         if kind in OBSERVED_KINDS:
-            self.balance.observe(ev)
+            self.balance.observe(ev, now)
             return kind in STEP_KINDS and self.balance.queued > 0
         return False
 
@@ -299,6 +300,11 @@ class AdmissionCore:
             "queued": self.queued,
             "inflight": self.inflight,
             "admitted_total": self.admitted_total,
+            # the packing room's inputs: the admitted contexts it counts, the sessions it
+            # does not (quiet past the longest recent gap between rounds)
+            "projected_blocks": self.balance.projected_blocks(now),
+            "quiet_sessions": len(self.balance.quiet_sessions(now)),
+            "round_gap_longest_s": self.balance.gaps.longest(),
             "signals": {
                 "active_tools": sig.active_tools, "cpu_load": sig.cpu_load,
                 "tool_cores": sig.tool_cores, "tool_duration_ema_s": sig.tool_duration_ema,
@@ -312,8 +318,10 @@ class AdmissionCore:
         }
 
     def sessions_view(self, now: float) -> list[dict[str, Any]]:
+        quiet = set(self.balance.quiet_sessions(now))
         return [{"session_id": s.id, "state": "admitted" if s.is_admitted else "queued",
                  "one_shot": s.one_shot, "inflight": s.inflight, "waiting": s.waiting,
                  "requests": s.requests, "age_s": now - s.created,
-                 "idle_s": now - s.last_active, "ending": s.end_reason}
+                 "idle_s": now - s.last_active, "ending": s.end_reason,
+                 "quiet": s.id in quiet}
                 for s in self.sessions.values()]
