@@ -28,8 +28,8 @@ engine and no open tool call stops counting once it has been idle for longer tha
 between two rounds of a session recently observed (:class:`RoundGaps`: a call ending to the
 same session's next call arriving, tool time included), counting from its last sign of
 life (that call's end, or a tool call of its queued, started or ended); it counts again with
-its next call.
-The yardstick is measured, not set: agents whose tools run minutes wait minutes.
+its next call. The yardstick is measured, not set: agents whose tools run minutes wait
+minutes.
 """
 
 from __future__ import annotations
