@@ -197,7 +197,6 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
     a = c.arrive("a", 0.0, prompt_tokens=16)
     c.arrive("b", 0.0, prompt_tokens=16)
     assert {s.id for s in c.step(0.0)} == {"a", "b"}
-    del a
 
     def call(sid: str, rnd: int, start: float, end: float) -> None:
         # the engine's clock is an hour behind the core's
@@ -209,14 +208,25 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
                              status="finished_stopped"), end)
 
     call("b", 0, 0.5, 1.0)
-    for rnd in range(9):
+    n = c.balance.gaps.min_samples
+    for rnd in range(n + 1):
         call("a", rnd, 1.0 + 2 * rnd, 2.0 + 2 * rnd)  # 1 s between rounds
     assert c.balance.gaps.longest() == 1.0
-    now = 30.0
+    last_end = 2.0 + 2 * n
+    now = last_end + 30.0
     view = {s["session_id"]: s["quiet"] for s in c.sessions_view(now)}
     assert view == {"a": True, "b": True}  # both idle longer than 1 s
     snap = c.snapshot(now)
     assert snap["quiet_sessions"] == 2 and snap["projected_blocks"] == 0
     assert snap["round_gap_longest_s"] == 1.0
-    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(18.5)} == {"a": False,
-                                                                           "b": True}
+    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(last_end + 0.5)} == {
+        "a": False, "b": True}
+    # the core hands BalanceAndAdmit the tool calls queued for a core, and its own forwards
+    c.observe(make_event("tool_enqueue", ts=0.0, session_id="b", tool="bash", call_id="q"),
+              now)
+    c.forward(a, now)
+    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 60.0)} == {
+        "a": False, "b": False}
+    c.finish(a, "error", now + 60.0)  # it never reached the engine
+    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 62.0)} == {
+        "a": True, "b": False}

@@ -190,45 +190,87 @@ def test_a_session_quiet_past_every_recent_round_gap_leaves_the_room():
     every gap between two rounds seen recently, its context no longer counts; its next call
     counts it again. Until enough gaps are known, nothing is judged quiet."""
     ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    n = ba.gaps.min_samples
     snapshot(ba, 0.0, total=1000, used=0)
     ba.enqueue("a", 0.0, est_blocks=100)
     ba.enqueue("gone", 0.0, est_blocks=100)
     assert ba.step(0.0).admitted == ["a", "gone"]
     _round(ba, "gone", 0, 0.5, 1.0, 600)  # then never heard of again
-    for rnd in range(8):  # "a" works in rounds with 2 s between them (its tools)
+    for rnd in range(n):  # "a" works in rounds with 2 s between them (its tools)
         _round(ba, "a", rnd, 1.0 + 3 * rnd, 2.0 + 3 * rnd, 200)
-    assert len(ba.gaps) == 7 and ba.gaps.longest() is None  # too few to judge anyone
-    assert ba.quiet_sessions(30.0) == [] and ba.projected_blocks(30.0) == 800
-    submit(ba, "a", 25.0, 200, rnd=8)  # the 8th gap, 2 s; this call stays in flight
+    assert len(ba.gaps) == n - 1 and ba.gaps.longest() is None  # too few to judge anyone
+    t = 2.0 + 3 * (n - 1)
+    assert ba.quiet_sessions(t + 100) == [] and ba.projected_blocks(t + 100) == 800
+    submit(ba, "a", t + 2.0, 200, rnd=n)  # the n-th gap, 2 s; this call stays in flight
     assert ba.gaps.longest() == pytest.approx(2.0)
-    now = 25.5
-    assert ba.quiet_sessions(now) == ["gone"]  # idle 24.5 s > 2 s
+    now = t + 2.5
+    assert ba.quiet_sessions(now) == ["gone"]  # idle for minutes > 2 s
     assert ba.projected_blocks(now) == 200  # a's call in flight; gone's 600 not counted
     assert ba.projected_blocks() == 800  # without a clock nothing is judged quiet
+    assert ba.quiet_sessions(float("nan")) == [] and ba.projected_blocks(float("nan")) == 800
     snapshot(ba, now, total=1000, used=200)
     ba.enqueue("b", now, est_blocks=500)
     assert ba.step(now).admitted == ["b"]  # 1000 - 200 >= 500; with gone counted: 200
-    # gone comes back: its context counts again
+    # gone comes back: its context counts again, and its long pause grows the yardstick
     submit(ba, "gone", now + 1.0, 650, rnd=1)
     assert ba.quiet_sessions(now + 1.0) == []
     assert ba.projected_blocks(now + 1.0) == 200 + 650 + 500
-    # an open tool call is not quiet, however long it runs
+    assert ba.gaps.longest() == pytest.approx(now)  # from its gpu_end at 1.0
+    longest = ba.gaps.longest()
+    # an open tool call is not quiet, however long it runs (room() counts it too)
     ba.observe(make_event("gpu_end", ts=now + 2.0, session_id="gone", request_id="gone.r1",
                           freed_blocks=650, output_tokens=9, status="finished_stopped"))
     ba.observe(make_event("tool_start", ts=now + 2.0, session_id="gone", tool="bash",
                           call_id="c1"))
-    assert ba.state.active_tools_of("gone") == 1
-    assert ba.quiet_sessions(now + 600.0) == []
-    ba.observe(make_event("tool_end", ts=now + 600.0, session_id="gone", tool="bash",
-                          call_id="c1", duration_s=598.0))
-    # gone's return after 25.5 s was a gap between two of its rounds: the yardstick grew
-    assert ba.gaps.longest() == pytest.approx(25.5)
-    assert ba.quiet_sessions(now + 625.0) == []  # its tool ended at +600: a sign of life
-    assert ba.quiet_sessions(now + 626.0) == ["gone"]
-    # a tool call queued for a core (not started, so not open) is a sign of life too
-    ba.observe(make_event("tool_enqueue", ts=now + 627.0, session_id="gone", tool="bash",
+    later = now + 2.0 + 2 * longest
+    assert ba.quiet_sessions(later) == [] and ba.projected_blocks(later) == 200 + 650 + 500
+    ba.observe(make_event("tool_end", ts=later, session_id="gone", tool="bash",
+                          call_id="c1", duration_s=later - now - 2.0))
+    assert ba.quiet_sessions(later + longest) == []  # its tool's end is a sign of life
+    assert ba.quiet_sessions(later + longest + 1.0) == ["gone"]
+    # a tool call queued for a core (not started, so not open in the pressure state) is
+    # held like an open one until it starts
+    t2 = later + longest + 2.0
+    ba.observe(make_event("tool_enqueue", ts=t2, session_id="gone", tool="bash",
                           call_id="c2"))
-    assert ba.quiet_sessions(now + 630.0) == []
+    assert ba.quiet_sessions(t2 + 2 * longest) == []
+    ba.observe(make_event("tool_start", ts=t2 + 2 * longest, session_id="gone", tool="bash",
+                          call_id="c2"))
+    ba.observe(make_event("tool_end", ts=t2 + 2 * longest, session_id="gone", tool="bash",
+                          call_id="c2", duration_s=0.1))
+    assert ba.quiet_sessions(t2 + 3 * longest + 1.0) == ["gone"]
+    # a request forwarded by the sidecar but not yet in the engine is in flight
+    ba.forwarded("gone", +1, t2 + 3 * longest + 1.0)
+    assert ba.quiet_sessions(t2 + 5 * longest) == []
+    ba.forwarded("gone", -1, t2 + 5 * longest)  # it failed before the engine saw it
+    assert ba.quiet_sessions(t2 + 6 * longest + 1.0) == ["gone"]
+
+
+def test_what_ends_a_round_for_the_quiet_rule():
+    """Only the end of a session's last call in the engine starts its idle time: not a side
+    call ending while the main call runs, not a ``gpu_end`` for a call it never had; an
+    engine that restarts ends every call it had (no ``gpu_end`` will come)."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    for i in range(ba.gaps.min_samples):
+        ba.gaps.observe(1.0)
+    snapshot(ba, 0.0, total=1000, used=0)
+    for sid in ("a", "b"):
+        ba.enqueue(sid, 0.0, est_blocks=10)
+    ba.step(0.0)
+    submit(ba, "a", 1.0, 300)  # the main call
+    ba.observe(make_event("gpu_submit", ts=1.1, session_id="a", request_id="a.title",
+                          prompt_tokens=160, projected_blocks=10))
+    ba.observe(make_event("gpu_end", ts=1.2, session_id="a", request_id="a.title",
+                          freed_blocks=10, output_tokens=3, status="finished_stopped"))
+    ba.observe(make_event("gpu_end", ts=1.3, session_id="b", request_id="b.other",
+                          freed_blocks=10, output_tokens=3, status="finished_stopped"))
+    assert ba.quiet_sessions(100.0) == []  # a's main call runs; b never had a call
+    assert ba.admitted_sessions()[1].idle_since is None
+    assert ba.projected_blocks(100.0) == 300 + 10
+    ba.observe(make_event("scheduler_start", ts=200.0, scheduler_cls="x", policy="mars",
+                          total_blocks=1000, block_size=16, pid=2))
+    assert ba.quiet_sessions(201.5) == ["a"]  # its call died with the old engine
+    assert ba.projected_blocks(201.5) == 10
 
 
 def test_round_gaps_forget_the_oldest():

@@ -23,13 +23,13 @@ the same free blocks several times.
 Quiet sessions: an admitted session's projected context counts in the packing room until it
 ends. A client that never says it is done (no last-round marker, no ``DELETE``) would hold its
 share of the pool until the idle reaper (``idle_timeout_s``, default 300 s) while sessions
-queue and, with every admitted context idle, nothing runs. So a session with no call in the
-engine and no open tool call stops counting once it has been idle for longer than every gap
-between two rounds of a session recently observed (:class:`RoundGaps`: a call ending to the
-same session's next call arriving, tool time included), counting from its last sign of
-life (that call's end, or a tool call of its queued, started or ended); it counts again with
-its next call. The yardstick is measured, not set: agents whose tools run minutes wait
-minutes.
+queue and, with every admitted context idle, nothing runs. So a session with nothing in
+flight (no call in the engine, no request forwarded by the sidecar and unfinished, no tool
+call open or queued for a core) stops counting once it has shown no sign of life (those
+events, its tool calls queued, started or ended) for longer than every gap between two
+rounds of a session recently observed (:class:`RoundGaps`: a session's last sign of life
+to its next ``gpu_submit``); it counts again with its next call. The yardstick is measured,
+not set: agents who pause minutes between rounds wait minutes.
 """
 
 from __future__ import annotations
@@ -93,8 +93,20 @@ class AdmittedSession:
     inflight: dict[str, int] = field(default_factory=dict)
     #: when its last call in the engine ended (None: a call is in flight, or none ended yet)
     round_end: float | None = None
-    #: its last sign of life since then (that end, or a tool call queued, started or ended)
+    #: its last sign of life since then (that end, a tool call of its queued, started or
+    #: ended, a request of its forwarded or finished by the sidecar)
     idle_since: float | None = None
+    #: tool calls queued for a core and not started (call ids; None for anonymous ones)
+    tools_queued: list[str | None] = field(default_factory=list)
+    #: requests the sidecar forwarded and has not seen finish (not in the engine yet, maybe)
+    forwarded: int = 0
+
+    def quiet(self, now: float, longest: float, open_tools: int) -> bool:
+        """Nothing of it in the engine, at the sidecar or at a core, and no sign of life for
+        longer than ``longest`` (module docstring)."""
+        return (self.idle_since is not None and not self.inflight and self.forwarded == 0
+                and not self.tools_queued and open_tools == 0
+                and now - self.idle_since > longest)
 
     @property
     def projected_blocks(self) -> int:
@@ -113,10 +125,15 @@ class RoundGaps:
     the engine may still be between rounds (a tool, the client's own work) rather than gone.
 
     Bounded: the last ``max_samples`` gaps over all sessions. Below ``min_samples`` it claims
-    nothing (:meth:`longest` is None) and no session is judged quiet. The defaults are those
-    of the retention policy's tool-duration model (:mod:`mars.policy.retention`)."""
+    nothing (:meth:`longest` is None) and no session is judged quiet. Why these sizes: a
+    fresh gap from the same distribution outlasts the longest of ``n`` earlier ones with
+    probability ``1 / (n + 1)`` -- the rate at which a session still between rounds is judged
+    quiet (its next round then finds its context counted again, as before the packing room
+    existed). 32 samples keep that under 3 % from the start, 512 at 0.2 %; the window is the
+    retention policy's tool-duration window (:mod:`mars.policy.retention`). The first gaps to
+    finish are the short ones, so early on the rate is higher than the formula says."""
 
-    def __init__(self, max_samples: int = 512, min_samples: int = 8) -> None:
+    def __init__(self, max_samples: int = 512, min_samples: int = 32) -> None:
         if max_samples < 1 or min_samples < 1:
             raise ValueError("max_samples and min_samples must be >= 1")
         self.min_samples = min_samples
@@ -223,22 +240,28 @@ class BalanceAndAdmit:
         """KV blocks the admitted sessions' contexts need resident when their next rounds
         come (each one's latest prompt); with ``now``, quiet sessions (module docstring)
         are left out."""
-        longest = self.gaps.longest() if now is not None else None
-        if longest is None:
-            return sum(a.projected_blocks for a in self._admitted.values())
-        tools = self.state.active_tools_of
+        quiet = set(self.quiet_sessions(now)) if now is not None else ()
         return sum(a.projected_blocks for a in self._admitted.values()
-                   if a.idle_since is None or now - a.idle_since <= longest
-                   or tools(a.session_id) > 0)
+                   if a.session_id not in quiet)
 
     def quiet_sessions(self, now: float) -> list[str]:
         """Admitted sessions the packing room does not count now (module docstring)."""
         longest = self.gaps.longest()
-        if longest is None:
+        if longest is None or not math.isfinite(now):
             return []
+        tools = self.state.active_tools_of
         return [a.session_id for a in self._admitted.values()
-                if a.idle_since is not None and now - a.idle_since > longest
-                and self.state.active_tools_of(a.session_id) == 0]
+                if a.quiet(now, longest, tools(a.session_id))]
+
+    def forwarded(self, session_id: str, delta: int, now: float) -> None:
+        """The sidecar forwarded (+1) or saw finish (-1) a request of the session: until the
+        engine's ``gpu_submit`` for it arrives it is in flight only here."""
+        adm = self._admitted.get(session_id)
+        if adm is None:
+            return
+        adm.forwarded = max(0, adm.forwarded + delta)
+        if adm.idle_since is not None and math.isfinite(now):
+            adm.idle_since = max(adm.idle_since, now)
 
     def room(self, sig: PressureSignals, now: float) -> int | None:
         """The KV budget PackQueue packs new sessions into (None: unknown, no bound).
@@ -271,17 +294,26 @@ class BalanceAndAdmit:
         if not isinstance(event, Mapping) and hasattr(event, "model_dump"):
             event = event.model_dump()
         ok = self.state.observe(event)
-        if not isinstance(event, Mapping) or event.get("session_id") is None:
+        if not isinstance(event, Mapping):
+            return ok
+        if event.get("kind") == "scheduler_start":
+            # a (re)started engine: the calls the old one had will send no gpu_end
+            t = _when(event, now)
+            for a in self._admitted.values():
+                if a.inflight:
+                    a.inflight.clear()
+                    a.round_end = a.idle_since = t
+        if event.get("session_id") is None:
             return ok
         kind, sid = event.get("kind"), str(event["session_id"])
         adm = self._admitted.get(sid)
         if kind == "gpu_submit":
             blocks = event.get("projected_blocks")
             if adm is not None and isinstance(blocks, (int, float)) and blocks >= 0:
-                if adm.round_end is not None and not adm.inflight:
+                if adm.idle_since is not None and not adm.inflight:
                     t = _when(event, now)
                     if t is not None:
-                        self.gaps.observe(t - adm.round_end)
+                        self.gaps.observe(t - adm.idle_since)
                 adm.round_end = adm.idle_since = None
                 adm.latest_blocks = int(blocks)
                 adm.inflight[str(event.get("request_id"))] = int(blocks)
@@ -289,13 +321,24 @@ class BalanceAndAdmit:
         elif kind in ("gpu_1st_token", "gpu_end", "preempt"):
             self._pending.pop(sid, None)
             if kind == "gpu_end" and adm is not None:
-                adm.inflight.pop(str(event.get("request_id")), None)
-                if not adm.inflight:
+                known = adm.inflight.pop(str(event.get("request_id")), None) is not None
+                if known and not adm.inflight:  # (an unknown id ends no round of ours)
                     adm.round_end = adm.idle_since = _when(event, now)
-        elif kind in _TOOL_LIFE and adm is not None and adm.idle_since is not None:
+        elif kind in _TOOL_LIFE and adm is not None:
+            call = event.get("call_id")
+            call = None if call is None else str(call)
+            if kind == "tool_enqueue":
+                adm.tools_queued.append(call)
+            elif adm.tools_queued:  # started or ended: no longer waiting for a core
+                q = adm.tools_queued
+                if call in q:
+                    q.remove(call)
+                elif None in q:
+                    q.remove(None)
             t = _when(event, now)
-            if t is not None:
+            if t is not None and adm.idle_since is not None:
                 adm.idle_since = max(adm.idle_since, t)
+
         elif kind == "session_end":
             self.release(sid)
         return ok

@@ -170,6 +170,7 @@ class AdmissionCore:
         s.inflight += 1
         s.requests += 1
         s.last_active = now
+        self.balance.forwarded(s.id, +1, now)
         if last_round:
             s.end_reason = "last_round"
 
@@ -180,6 +181,7 @@ class AdmissionCore:
         out)."""
         s.inflight -= 1
         s.last_active = now
+        self.balance.forwarded(s.id, -1, now)
         if outcome == "ok":
             self.last_progress = now
         if s.ended or s.inflight > 0 or s.waiting > 0:
