@@ -224,9 +224,12 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
     # the core hands BalanceAndAdmit the tool calls queued for a core, and its own forwards
     c.observe(make_event("tool_enqueue", ts=0.0, session_id="b", tool="bash", call_id="q"),
               now)
-    c.forward(a, now)
+    c.forward(a, now)  # a's pause since its last call (30 s) is a gap, ended by the forward
+    assert c.balance.gaps.longest() == 30.0
     assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 60.0)} == {
         "a": False, "b": False}
     c.finish(a, "error", now + 60.0)  # it never reached the engine
-    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 62.0)} == {
+    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 89.0)} == {
+        "a": False, "b": False}
+    assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 91.0)} == {
         "a": True, "b": False}

@@ -239,11 +239,18 @@ def test_a_session_quiet_past_every_recent_round_gap_leaves_the_room():
     ba.observe(make_event("tool_end", ts=t2 + 2 * longest, session_id="gone", tool="bash",
                           call_id="c2", duration_s=0.1))
     assert ba.quiet_sessions(t2 + 3 * longest + 1.0) == ["gone"]
-    # a request forwarded by the sidecar but not yet in the engine is in flight
-    ba.forwarded("gone", +1, t2 + 3 * longest + 1.0)
-    assert ba.quiet_sessions(t2 + 5 * longest) == []
-    ba.forwarded("gone", -1, t2 + 5 * longest)  # it failed before the engine saw it
-    assert ba.quiet_sessions(t2 + 6 * longest + 1.0) == ["gone"]
+    # a request forwarded by the sidecar but not yet in the engine is in flight; its pause
+    # ends when the sidecar forwards it (the engine's intake is not part of the gap)
+    t3 = t2 + 4 * longest
+    n_before = len(ba.gaps)
+    ba.forwarded("gone", +1, t3)
+    assert len(ba.gaps) == n_before + 1 and ba.gaps.longest() == pytest.approx(t3 - t2 - 2 * longest)
+    longest = ba.gaps.longest()
+    assert ba.quiet_sessions(t3 + 2 * longest) == []
+    ba.forwarded("gone", -1, t3 + 2 * longest)  # it failed before the engine saw it
+    assert len(ba.gaps) == n_before + 1  # and no second sample for it
+    assert ba.quiet_sessions(t3 + 3 * longest) == []  # its finish is a sign of life
+    assert ba.quiet_sessions(t3 + 3 * longest + 1.0) == ["gone"]
 
 
 def test_what_ends_a_round_for_the_quiet_rule():

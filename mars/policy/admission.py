@@ -28,7 +28,8 @@ flight (no call in the engine, no request forwarded by the sidecar and unfinishe
 call open or queued for a core) stops counting once it has shown no sign of life (those
 events, its tool calls queued, started or ended) for longer than every gap between two
 rounds of a session recently observed (:class:`RoundGaps`: a session's last sign of life
-to its next ``gpu_submit``); it counts again with its next call. The yardstick is measured,
+to its next request, as the sidecar forwards it or else as the engine submits it); it counts
+again with its next call. The yardstick is measured,
 not set: agents who pause minutes between rounds wait minutes.
 """
 
@@ -91,10 +92,9 @@ class AdmittedSession:
     latest_blocks: int | None = None
     #: request id -> KV blocks, for its requests in the engine (``gpu_submit`` to ``gpu_end``)
     inflight: dict[str, int] = field(default_factory=dict)
-    #: when its last call in the engine ended (None: a call is in flight, or none ended yet)
-    round_end: float | None = None
-    #: its last sign of life since then (that end, a tool call of its queued, started or
-    #: ended, a request of its forwarded or finished by the sidecar)
+    #: its last sign of life since its last call ended (that end, a tool call of its queued,
+    #: started or ended, a request of its that the sidecar saw finish); None while a call is
+    #: in flight or before one ended
     idle_since: float | None = None
     #: tool calls queued for a core and not started (call ids; None for anonymous ones)
     tools_queued: list[str | None] = field(default_factory=list)
@@ -257,11 +257,16 @@ class BalanceAndAdmit:
         """The sidecar forwarded (+1) or saw finish (-1) a request of the session: until the
         engine's ``gpu_submit`` for it arrives it is in flight only here."""
         adm = self._admitted.get(session_id)
-        if adm is None:
+        if adm is None or not math.isfinite(now):
             return
+        if delta > 0:
+            if adm.idle_since is not None and not adm.inflight and adm.forwarded == 0:
+                # its next round starts: the pause since its last sign of life is a gap
+                self.gaps.observe(now - adm.idle_since)
+            adm.idle_since = None
         adm.forwarded = max(0, adm.forwarded + delta)
-        if adm.idle_since is not None and math.isfinite(now):
-            adm.idle_since = max(adm.idle_since, now)
+        if delta < 0 and adm.forwarded == 0 and not adm.inflight:
+            adm.idle_since = now if adm.idle_since is None else max(adm.idle_since, now)
 
     def room(self, sig: PressureSignals, now: float) -> int | None:
         """The KV budget PackQueue packs new sessions into (None: unknown, no bound).
@@ -302,7 +307,7 @@ class BalanceAndAdmit:
             for a in self._admitted.values():
                 if a.inflight:
                     a.inflight.clear()
-                    a.round_end = a.idle_since = t
+                    a.idle_since = t
         if event.get("session_id") is None:
             return ok
         kind, sid = event.get("kind"), str(event["session_id"])
@@ -311,10 +316,12 @@ class BalanceAndAdmit:
             blocks = event.get("projected_blocks")
             if adm is not None and isinstance(blocks, (int, float)) and blocks >= 0:
                 if adm.idle_since is not None and not adm.inflight:
+                    # a round that did not come through the sidecar's forward (a direct
+                    # engine feed): its pause ends here
                     t = _when(event, now)
                     if t is not None:
                         self.gaps.observe(t - adm.idle_since)
-                adm.round_end = adm.idle_since = None
+                adm.idle_since = None
                 adm.latest_blocks = int(blocks)
                 adm.inflight[str(event.get("request_id"))] = int(blocks)
                 ok = True
@@ -323,7 +330,7 @@ class BalanceAndAdmit:
             if kind == "gpu_end" and adm is not None:
                 known = adm.inflight.pop(str(event.get("request_id")), None) is not None
                 if known and not adm.inflight:  # (an unknown id ends no round of ours)
-                    adm.round_end = adm.idle_since = _when(event, now)
+                    adm.idle_since = _when(event, now)
         elif kind in _TOOL_LIFE and adm is not None:
             call = event.get("call_id")
             call = None if call is None else str(call)
@@ -338,7 +345,6 @@ class BalanceAndAdmit:
             t = _when(event, now)
             if t is not None and adm.idle_since is not None:
                 adm.idle_since = max(adm.idle_since, t)
-
         elif kind == "session_end":
             self.release(sid)
         return ok
