@@ -456,3 +456,26 @@ def test_slowdown_ignores_light_tools_and_millisecond_tools():
         st.observe(make_event("tool_end", session_id="b", ts=100.0 + 10 * i + dur,
                               tool="test", call_id=f"t{i}", duration_s=dur))
     assert st.signals(300.0).tool_slowdown > 1.5
+
+
+def test_the_pressure_state_keeps_tool_calls_queued_for_a_core():
+    """A call queued for a core is not CPU load (it holds no core) but its session is busy:
+    the pressure state counts it per session until it starts or ends (by call id, else the
+    oldest anonymous one), drops it with the session, and lets a lost start go stale."""
+    from mars.policy.pressure import DualPressureState, PressureConfig
+
+    st = DualPressureState(PressureConfig(tool_stale_s=100.0))
+    for call in ("c1", "c2", None):
+        st.observe(make_event("tool_enqueue", ts=0.0, session_id="s", tool="bash",
+                              call_id=call))
+    assert st.queued_tools_of("s") == 3 and st.active_tools == 0
+    st.observe(make_event("tool_start", ts=1.0, session_id="s", tool="bash", call_id="c2"))
+    assert st.queued_tools_of("s") == 2 and st.active_tools_of("s") == 1
+    st.observe(make_event("tool_start", ts=1.0, session_id="s", tool="bash"))
+    assert st.queued_tools_of("s") == 1  # the anonymous one
+    st.signals(200.0)  # c1's start was lost: stale after tool_stale_s
+    assert st.queued_tools_of("s") == 0
+    st.observe(make_event("tool_enqueue", ts=201.0, session_id="s", tool="bash",
+                          call_id="c3"))
+    st.forget_session("s")
+    assert st.queued_tools_of("s") == 0

@@ -29,8 +29,8 @@ call open or queued for a core) stops counting once it has shown no sign of life
 events, its tool calls queued, started or ended) for longer than every gap between two
 rounds of a session recently observed (:class:`RoundGaps`: a session's last sign of life
 to its next request, as the sidecar forwards it or else as the engine submits it); it counts
-again with its next call. The yardstick is measured,
-not set: agents who pause minutes between rounds wait minutes.
+again with its next call. The yardstick is measured, not set: agents who pause minutes
+between rounds wait minutes.
 """
 
 from __future__ import annotations
@@ -96,17 +96,15 @@ class AdmittedSession:
     #: started or ended, a request of its that the sidecar saw finish); None while a call is
     #: in flight or before one ended
     idle_since: float | None = None
-    #: tool calls queued for a core and not started (call ids; None for anonymous ones)
-    tools_queued: list[str | None] = field(default_factory=list)
     #: requests the sidecar forwarded and has not seen finish (not in the engine yet, maybe)
     forwarded: int = 0
 
-    def quiet(self, now: float, longest: float, open_tools: int) -> bool:
-        """Nothing of it in the engine, at the sidecar or at a core, and no sign of life for
-        longer than ``longest`` (module docstring)."""
+    def quiet(self, now: float, longest: float, tools: int) -> bool:
+        """Nothing of it in the engine, at the sidecar or at a core (``tools``: its tool
+        calls open or queued), and no sign of life for longer than ``longest`` (module
+        docstring)."""
         return (self.idle_since is not None and not self.inflight and self.forwarded == 0
-                and not self.tools_queued and open_tools == 0
-                and now - self.idle_since > longest)
+                and tools == 0 and now - self.idle_since > longest)
 
     @property
     def projected_blocks(self) -> int:
@@ -249,9 +247,10 @@ class BalanceAndAdmit:
         longest = self.gaps.longest()
         if longest is None or not math.isfinite(now):
             return []
-        tools = self.state.active_tools_of
+        st = self.state
         return [a.session_id for a in self._admitted.values()
-                if a.quiet(now, longest, tools(a.session_id))]
+                if a.quiet(now, longest, st.active_tools_of(a.session_id)
+                           + st.queued_tools_of(a.session_id))]
 
     def forwarded(self, session_id: str, delta: int, now: float) -> None:
         """The sidecar forwarded (+1) or saw finish (-1) a request of the session: until the
@@ -279,9 +278,9 @@ class BalanceAndAdmit:
         blocks overstate the room, and a session admitted into them makes the returning
         rounds recompute their contexts or preempt each other (``mars sim``, H100 x
         Qwen3-Coder, ILR-3: admitted contexts summing to 1.5-2.2 pools, 7-15 preemptions of
-        100K-185K-token prefills per run). The pool's size is the last one the engine reported (it does not go stale):
-        the bound holds while the KV snapshot is stale (every session in a long tool call,
-        the engine idle) or not yet in. The progress rule still admits one session when
+        100K-185K-token prefills per run). The pool's size is the last one the engine
+        reported (it does not go stale): the bound holds while the KV snapshot is stale
+        (every session in a long tool call, the engine idle) or not yet in. The progress rule still admits one session when
         none is admitted."""
         free = sig.free_blocks
         if free is not None:
@@ -332,16 +331,7 @@ class BalanceAndAdmit:
                 if known and not adm.inflight:  # (an unknown id ends no round of ours)
                     adm.idle_since = _when(event, now)
         elif kind in _TOOL_LIFE and adm is not None:
-            call = event.get("call_id")
-            call = None if call is None else str(call)
-            if kind == "tool_enqueue":
-                adm.tools_queued.append(call)
-            elif adm.tools_queued:  # started or ended: no longer waiting for a core
-                q = adm.tools_queued
-                if call in q:
-                    q.remove(call)
-                elif None in q:
-                    q.remove(None)
+            # (the pressure state keeps its open and queued calls)
             t = _when(event, now)
             if t is not None and adm.idle_since is not None:
                 adm.idle_since = max(adm.idle_since, t)
@@ -416,8 +406,7 @@ class BalanceAndAdmit:
         return result
 
 
-#: a session's tool calls: signs of life between its rounds (a call queued for a core has not
-#: started, so the pressure state does not count it as open)
+#: a session's tool calls: signs of life between its rounds
 _TOOL_LIFE = frozenset({"tool_enqueue", "tool_start", "tool_end"})
 
 

@@ -189,6 +189,9 @@ class DualPressureState:
         self._open: dict[str, dict[str, float]] = {}
         #: keys of open calls that declared ``cpu_bound: false``, per session
         self._light: dict[str, set[str]] = {}
+        #: tool calls queued for a core and not started, per session (key -> enqueue ts):
+        #: not CPU load, but the session is busy (admission's quiet sessions)
+        self._queued: dict[str, dict[str, float]] = {}
         self._anon_seq = 0
         self._tool_num_offset = 0
         self.tool_starts_total = 0
@@ -257,8 +260,30 @@ class DualPressureState:
         if status < 400:
             self.llm_duration.update(max(0.0, float(_get(ev, "duration_s"))))
 
+    def _on_tool_enqueue(self, ev: Any, ts: float) -> None:
+        call_id = _get(ev, "call_id")
+        if call_id is None:
+            self._anon_seq += 1
+        key = f"id:{call_id}" if call_id is not None else f"anon:{self._anon_seq}"
+        self._queued.setdefault(str(_get(ev, "session_id")), {}).setdefault(key, ts)
+
+    def _unqueue(self, sid: str, call_id: Any) -> None:
+        """A call started or ended: it no longer waits for a core (by id, else the oldest
+        anonymous one)."""
+        queued = self._queued.get(sid)
+        if not queued:
+            return
+        key = f"id:{call_id}" if call_id is not None else None
+        if key not in queued:
+            key = next((k for k in queued if k.startswith("anon:")), None)
+        if key is not None:
+            del queued[key]
+            if not queued:
+                del self._queued[sid]
+
     def _on_tool_start(self, ev: Any, ts: float) -> None:
         sid = str(_get(ev, "session_id"))
+        self._unqueue(sid, _get(ev, "call_id"))
         calls = self._open.setdefault(sid, {})
         call_id = _get(ev, "call_id")
         if call_id is not None:
@@ -284,6 +309,7 @@ class DualPressureState:
         status = _get(ev, "status", "ok")
         calls = self._open.get(sid)
         call_id = _get(ev, "call_id")
+        self._unqueue(sid, call_id)
         light = False
         if calls:
             key = f"id:{call_id}" if call_id is not None else None
@@ -331,6 +357,7 @@ class DualPressureState:
         "preempt": _on_preempt,
         "gpu_1st_token": _on_first_token,
         "request_end": _on_request_end,
+        "tool_enqueue": _on_tool_enqueue,
         "tool_start": _on_tool_start,
         "tool_end": _on_tool_end,
         "tool_num": _on_tool_num,
@@ -342,6 +369,7 @@ class DualPressureState:
         """Drop a session's open tool calls (it ended, disconnected or was released)."""
         self._open.pop(session_id, None)
         self._light.pop(session_id, None)
+        self._queued.pop(session_id, None)
 
     def _tracked_tools(self) -> int:
         """Open CPU-bound tool calls (light ones excluded)."""
@@ -367,6 +395,13 @@ class DualPressureState:
                     self._open[sid] = calls
                 else:
                     del self._open[sid]
+            for sid in [s for s, q in self._queued.items()
+                        if any(t < cutoff for t in q.values())]:
+                q = {k: t for k, t in self._queued[sid].items() if t >= cutoff}
+                if q:
+                    self._queued[sid] = q
+                else:
+                    del self._queued[sid]
 
     # ------------------------------------------------------------------ plain readers
     @property
@@ -376,6 +411,10 @@ class DualPressureState:
 
     def active_tools_of(self, session_id: str) -> int:
         return len(self._open.get(session_id, ()))
+
+    def queued_tools_of(self, session_id: str) -> int:
+        """Tool calls of the session queued for a core and not started."""
+        return len(self._queued.get(session_id, ()))
 
     @property
     def cpu_load(self) -> float:
