@@ -72,6 +72,14 @@ def test_queued_sessions_are_admitted_by_steps_within_the_window():
     assert len(later) == 1 and c.in_use == 2 and c.queued == 0
 
 
+def test_the_state_view_says_whether_the_window_is_in_its_demand_led_start():
+    sh = Shell(window=2)
+    assert sh.core.snapshot(0.0)["slow_start"] is True
+    sh.core.balance.controller.slow_start = False  # what the first decrease does
+    assert sh.core.snapshot(0.0)["slow_start"] is False
+    assert Shell(admission=False).core.snapshot(0.0)["slow_start"] is None
+
+
 def test_a_waiter_that_gives_up_withdraws_its_session():
     sh = Shell(window=1)
     c = sh.core

@@ -324,6 +324,22 @@ def test_overload_stops_admission_and_shrinks_window():
     assert res.decision.window == pytest.approx(6.0) and res.admitted == ["late0"]
 
 
+def test_the_window_grows_by_the_sessions_waiting_until_the_first_decrease():
+    """The admission loop tells UpdateWindow how many sessions wait: with every signal
+    healthy the window doubles towards them instead of adding one session every few
+    seconds (demand-led start)."""
+    ba = BalanceAndAdmit(AdmissionConfig(aimd=AIMDConfig(initial_window=8)))
+    for i in range(40):
+        ba.enqueue(f"s{i}", 0.0, prompt_tokens=16)
+    admitted = []
+    for t in range(0, 13):
+        snapshot(ba, float(t), total=100_000, used=100 * ba.in_use)
+        admitted.append(len(ba.step(float(t)).admitted))
+    # 8 at once; +8 after three healthy evaluations 2 s apart; +16 three later
+    assert admitted[0] == 8 and sum(admitted) == 32 and ba.controller.window == 32.0
+    assert ba.last.decision.mode in ("increase", "hold")
+
+
 # ------------------------------------------------------------------ starvation
 def simulate(max_wait: float, *, kv_limited: bool, horizon: float = 400.0,
              big_at: float = 10.0) -> tuple[float | None, int]:

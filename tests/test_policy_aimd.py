@@ -466,6 +466,48 @@ def test_growth_after_sustained_health_when_used():
                      (9.0, "hold"), (9.0, "hold"), (10.0, "increase")]
 
 
+def test_demand_led_start_adds_the_sessions_waiting_at_most_doubling():
+    """Before any overload an increase adds the sessions waiting for a slot (at most W):
+    short sessions at a high rate no longer queue for minutes behind a window growing by one
+    every few seconds with every signal healthy (held-out ``short`` workload, docs). Nobody
+    or one session waiting: the additive step; the config switch restores it always."""
+    def grow(queued: list[int], **cfg) -> list[float]:
+        ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=1,
+                                          increase_interval_s=1, **cfg))
+        st = DualPressureState()
+        kv(st, 0.0, 0.3)
+        ctl.update(st, in_use=8, now=0.0)  # the first evaluation is a second later
+        out = []
+        for t, q in enumerate(queued, start=1):
+            kv(st, float(t), 0.3)
+            out.append(ctl.update(st, in_use=math.floor(ctl.window), now=float(t),
+                                  queued=q).window)
+        return out
+
+    assert grow([30, 30, 30, 30]) == [16.0, 32.0, 62.0, 64.0]  # at most doubling; ceiling
+    assert grow([3, 0, 1, 5]) == [11.0, 12.0, 13.0, 18.0]  # the waiting sessions, or +1
+    assert grow([30, 30], demand_increase=False) == [9.0, 10.0]
+
+
+def test_the_first_decrease_ends_the_demand_led_start():
+    """After a cut the window is near what the signals allow: growth is additive again
+    however many sessions wait, so it does not jump back into the overload it just left."""
+    ctl = WindowController(AIMDConfig(initial_window=16, healthy_ticks=1,
+                                      increase_interval_s=1))
+    st = DualPressureState()
+    assert ctl.slow_start
+    kv(st, 0.0, 0.97)
+    d = ctl.update(st, in_use=16, now=0.0, queued=20)
+    assert d.mode == "decrease" and d.window == 12.0 and not ctl.slow_start
+    windows = []
+    for t in range(1, 5):
+        kv(st, float(t), 0.5)
+        windows.append(ctl.update(st, in_use=math.floor(ctl.window), now=float(t),
+                                  queued=20).window)
+    assert windows == [13.0, 14.0, 15.0, 16.0]
+    assert not WindowController(AIMDConfig(demand_increase=False)).slow_start
+
+
 def test_growth_rate_independent_of_call_rate():
     ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=3,
                                          increase_interval_s=2))

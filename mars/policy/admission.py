@@ -384,7 +384,7 @@ class BalanceAndAdmit:
         """BalanceAndAdmit: UpdateWindow, then PackQueue over the free slots."""
         sig = self.state.signals(now)
         in_use = self.in_use
-        decision = self.controller.update(sig, in_use, now)
+        decision = self.controller.update(sig, in_use, now, queued=self.queued)
         slots = max(0, decision.budget - in_use)
         pack: PackResult | None = None
         admitted: list[str] = []

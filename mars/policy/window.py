@@ -22,6 +22,13 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
   still exceed the window (``in_use > W``): admission is already stopped and cutting again
   before the last cut took effect would only collapse the window. Admitted sessions are never
   evicted; the window bites as they end.
+* **Demand-led start.** Until the first decrease, an increase adds the sessions waiting for a
+  slot, at most doubling ``W`` (TCP's slow start, bounded by demand as RFC 7661 bounds a
+  window by its use); the first decrease ends it and growth is additive from then on.
+  Without it the initial window and the paced ``+1`` decided the first minutes of every
+  run: short sessions at a high rate queued behind a window that took minutes to reach the
+  load it could carry with every signal healthy (docs/control_plane.md, *Demand-led
+  start*).
 * **Sustained, used, paced increase.** ``+additive_increase`` only after ``healthy_ticks``
   consecutive healthy evaluations taken at most once per ``increase_interval_s`` (so the rate
   of growth does not depend on how often the sidecar calls :meth:`update`), and only if the
@@ -91,8 +98,12 @@ class AIMDConfig:
     max_window: int = 64
     #: Window at start-up (before any evidence).
     initial_window: float = 8.0
-    #: Sessions added per increase.
+    #: Sessions added per increase (after the first decrease, or with at most this many
+    #: sessions waiting).
     additive_increase: float = 1.0
+    #: Demand-led start: until the first decrease an increase adds the sessions waiting for
+    #: a slot, at most W (doubling). False: every increase is ``additive_increase``.
+    demand_increase: bool = True
     #: Multiplicative decrease factor: W <- max(floor, min(W - 1, base * backoff_ratio)).
     backoff_ratio: float = 0.75
     #: Minimum time between two decreases (seconds): roughly how long it takes for a change
@@ -367,6 +378,8 @@ class WindowController:
         self._streak = 0
         self._last_eval: float | None = None
         self._last_decrease: float = -math.inf
+        #: demand-led start: on until the first decrease (TCP's slow start)
+        self.slow_start: bool = c.demand_increase
         self._footprint: float | None = None
         self._share = _ToolShare(c.cpu_rate_tau_s)
         self._last: WindowDecision | None = None
@@ -437,9 +450,20 @@ class WindowController:
         return min(self.config.increase_min_utilisation * w, float(_whole_sessions(w)))
 
     # ------------------------------------------------------------------ UpdateWindow
+    def increase_step(self, queued: int) -> float:
+        """Sessions one increase adds: in slow start (:attr:`slow_start`) the ones waiting
+        for a slot, at most doubling W, else ``additive_increase``. Only sessions that wait
+        count, so the window never opens slots nobody asked for (the overshoot of a blind
+        doubling)."""
+        c = self.config
+        if self.slow_start and queued > c.additive_increase:
+            return min(float(queued), self.window)
+        return c.additive_increase
+
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
-               now: float) -> WindowDecision:
-        """One control step. ``state`` may be a live state or a pre-taken snapshot."""
+               now: float, queued: int = 0) -> WindowDecision:
+        """One control step. ``state`` may be a live state or a pre-taken snapshot;
+        ``queued``: sessions waiting for a slot (the demand-led start's step)."""
         c = self.config
         sig = state if isinstance(state, PressureSignals) else state.signals(now)
         in_use = max(0, int(in_use))
@@ -484,6 +508,7 @@ class WindowController:
                     reason = f"overload ({','.join(hot)}): {self.window:.2f} -> {new:.2f}"
                     self.window = new
                     self._last_decrease = now
+                    self.slow_start = False
                 else:
                     reason = f"overload ({','.join(hot)}) at window floor"
         elif not all(h.healthy for h in self._latches):
@@ -501,9 +526,12 @@ class WindowController:
                 reason = (f"healthy but under-used (in_use {in_use} < "
                           f"{used:.2f} of window {self.window:.2f})")
             else:
-                new = min(float(c.max_window), self.window + c.additive_increase)
+                step = self.increase_step(queued)
+                new = min(float(c.max_window), self.window + step)
                 mode = "increase"
                 reason = f"sustained health: {self.window:.2f} -> {new:.2f}"
+                if step != c.additive_increase:
+                    reason += f" (slow start: {max(0, int(queued))} waiting)"
                 self.window = new
                 self._streak = 0
 

@@ -298,6 +298,8 @@ class AdmissionCore:
             "kv_cap": d.kv_cap if d else None,
             "mode": d.mode if d else None,
             "reason": d.reason if d else None,
+            # the window's demand-led start, on until its first decrease
+            "slow_start": self.balance.controller.slow_start if self.admission else None,
             "admitted": self.in_use,
             "queued": self.queued,
             "inflight": self.inflight,
