@@ -165,6 +165,20 @@ def _get(ev: Any, key: str, default: Any = None) -> Any:
     return getattr(ev, key, default)
 
 
+def _drop_stale(calls: dict[str, dict[str, float]], cutoff: float) -> dict[str, set[str]]:
+    """Drop the calls (per session: key -> ts) older than ``cutoff`` in place; return the
+    keys kept for each session that lost one (open and queued calls share the rule)."""
+    touched: dict[str, set[str]] = {}
+    for sid in [s for s, c in calls.items() if any(t < cutoff for t in c.values())]:
+        kept = {k: t for k, t in calls[sid].items() if t >= cutoff}
+        touched[sid] = set(kept)
+        if kept:
+            calls[sid] = kept
+        else:
+            del calls[sid]
+    return touched
+
+
 class DualPressureState:
     """Folds engine and tool events into dual-pressure signals.
 
@@ -383,25 +397,13 @@ class DualPressureState:
             self._preempt_ts.popleft()
         if c.tool_stale_s is not None:
             cutoff = now - c.tool_stale_s
-            for sid in [s for s, calls in self._open.items()
-                        if any(t < cutoff for t in calls.values())]:
-                calls = {k: t for k, t in self._open[sid].items() if t >= cutoff}
+            for sid, kept in _drop_stale(self._open, cutoff).items():
                 light = self._light.get(sid)
                 if light is not None:
-                    light &= set(calls)
+                    light &= kept
                     if not light:
                         del self._light[sid]
-                if calls:
-                    self._open[sid] = calls
-                else:
-                    del self._open[sid]
-            for sid in [s for s, q in self._queued.items()
-                        if any(t < cutoff for t in q.values())]:
-                q = {k: t for k, t in self._queued[sid].items() if t >= cutoff}
-                if q:
-                    self._queued[sid] = q
-                else:
-                    del self._queued[sid]
+            _drop_stale(self._queued, cutoff)
 
     # ------------------------------------------------------------------ plain readers
     @property
