@@ -223,3 +223,19 @@ def test_shipped_profiles_keep_attention_occupancy_off():
     q = model_from_hf_config("q", hf_config("qwen3-coder-30b-a3b"))
     s = StepTimeModel(q, DEVICE)
     assert s.breakdown([(1, 8000)]).attention > 0
+
+
+def test_the_search_survives_coordinates_far_outside_any_device():
+    """Nelder-Mead may walk a coordinate the samples barely constrain far out (the robust
+    loss grows only linearly): the coefficients it builds there stay finite and the loss
+    counts them as a bad fit, instead of `mars emulate calibrate` dying of an overflow (it
+    did, on a busy machine)."""
+    from mars.emulate.fit import FITTED, _coefficients
+
+    base = StepCoefficients()
+    for v in (800.0, -800.0, 1e6):
+        c = _coefficients([v] * len(FITTED), base)
+        assert all(math.isfinite(getattr(c, n)) for n in FITTED)
+        stm = StepTimeModel(TINY, DEVICE, c)
+        t = stm.time_of(stm.work(((512, 4096), (1, 8192)))).total
+        assert not math.isnan(t)

@@ -46,6 +46,9 @@ _CACHE_START = 32 * 2**20
 #: the cache may be read at most this many times faster than memory
 _MAX_CACHE_RATIO = 50.0
 _FLOOR = 1e-7  # smallest efficiency the search may reach (StepCoefficients needs > 0)
+#: bound of a search coordinate (log of a coefficient): e^100 ~ 1e43, beyond any physical
+#: coefficient, far below float overflow (e^709)
+_MAX_LOG = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,15 @@ class FitResult:
                 "abs_relative_error": {k: round(v, 4) for k, v in self.errors.items()}}
 
 
+def _exp(v: float) -> float:
+    """``exp`` of a search coordinate, finite wherever the search wanders. A direction the
+    samples barely constrain (an overhead that no step shows, under the robust loss's
+    linear tail) lets Nelder-Mead walk a coordinate past 709, where ``math.exp``
+    overflows: `mars emulate calibrate` once died of that on a noisy machine instead of
+    fitting."""
+    return math.exp(min(_MAX_LOG, max(-_MAX_LOG, v)))
+
+
 def _coefficients(x: Sequence[float], base: StepCoefficients) -> StepCoefficients:
     vals = {}
     for name, v in zip(FITTED, x):
@@ -88,9 +100,9 @@ def _coefficients(x: Sequence[float], base: StepCoefficients) -> StepCoefficient
             vals[name] = min(_MAX_EXPONENT, max(0.0, v))
             continue
         if name == "cache_bandwidth_ratio":
-            vals[name] = min(_MAX_CACHE_RATIO, math.exp(max(0.0, v)))
+            vals[name] = min(_MAX_CACHE_RATIO, _exp(max(0.0, v)))
             continue
-        e = math.exp(v)
+        e = _exp(v)
         vals[name] = min(_SEARCH_CAP, max(_FLOOR, e)) if name in _EFFICIENCIES else e
     return _Unchecked(base, layer_overhead_s=0.0, **vals)
 
@@ -213,7 +225,8 @@ def fit_coefficients(model: ModelSpec, gpu: GpuSpec, samples: Sequence[Measured]
             total = 0.0
             for w, lt in zip(works, logs):
                 t = stm.time_of(w).total
-                total += robust_loss(math.log(t) - lt, loss_scale) if t > 0 else 1e6
+                ok = 0 < t < math.inf
+                total += robust_loss(math.log(t) - lt, loss_scale) if ok else 1e6
             return total / len(works)
 
         for eff in (1e-1, 1e-2):
