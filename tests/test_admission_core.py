@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from mars.policy.admission import AdmissionConfig, QueueFull
+from mars.policy.events import make_event
 from mars.policy.window import AIMDConfig
 from mars.sidecar.admission_core import AdmissionCore, CoreConfig, Listener
 
@@ -75,8 +76,11 @@ def test_queued_sessions_are_admitted_by_steps_within_the_window():
 def test_the_state_view_says_whether_the_window_is_in_its_demand_led_start():
     sh = Shell(window=2)
     assert sh.core.snapshot(0.0)["slow_start"] is True
-    sh.core.balance.controller.slow_start = False  # what the first decrease does
-    assert sh.core.snapshot(0.0)["slow_start"] is False
+    # an overload ends it: a KV snapshot past the KV band's enter threshold
+    sh.core.observe(make_event("kv_snapshot", ts=1.0, total_blocks=100, free_blocks=2,
+                               used_blocks=98), 1.0)
+    sh.core.step(1.0)
+    assert sh.core.snapshot(1.0)["slow_start"] is False
     assert Shell(admission=False).core.snapshot(0.0)["slow_start"] is None
 
 

@@ -466,30 +466,98 @@ def test_growth_after_sustained_health_when_used():
                      (9.0, "hold"), (9.0, "hold"), (10.0, "increase")]
 
 
+def _slow_start_run(queued: list[int], *, per_session: float = 0.005, in_use=None,
+                    initial: float = 8, kv_util=None, **cfg) -> tuple[WindowController, list]:
+    """A window fed one healthy KV snapshot and one evaluation per second (every evaluation
+    may increase). Each admitted session holds ``per_session`` of the pool (so the KV cap's
+    session ceiling, pool / footprint, stays far above the window) unless ``kv_util`` fixes
+    the utilisation; ``in_use`` (a function of W) defaults to a full window."""
+    ctl = WindowController(AIMDConfig(initial_window=initial, healthy_ticks=1,
+                                      increase_interval_s=1, **cfg))
+    st = DualPressureState()
+    use = in_use or (lambda w: math.floor(w))
+
+    def util(n: int) -> float:
+        return kv_util if kv_util is not None else per_session * n
+
+    kv(st, 0.0, util(use(ctl.window)))
+    ctl.update(st, in_use=use(ctl.window), now=0.0)  # the first evaluation is a second later
+    out = []
+    for t, q in enumerate(queued, start=1):
+        n = use(ctl.window)
+        kv(st, float(t), util(n))
+        out.append(ctl.update(st, in_use=n, now=float(t), queued=q))
+    return ctl, out
+
+
 def test_demand_led_start_adds_the_sessions_waiting_at_most_doubling():
     """Before any overload an increase adds the sessions waiting for a slot (at most W):
     short sessions at a high rate no longer queue for minutes behind a window growing by one
     every few seconds with every signal healthy (held-out ``short`` workload, docs). Nobody
     or one session waiting: the additive step; the config switch restores it always."""
     def grow(queued: list[int], **cfg) -> list[float]:
-        ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=1,
-                                          increase_interval_s=1, **cfg))
-        st = DualPressureState()
-        kv(st, 0.0, 0.3)
-        ctl.update(st, in_use=8, now=0.0)  # the first evaluation is a second later
-        out = []
-        for t, q in enumerate(queued, start=1):
-            kv(st, float(t), 0.3)
-            out.append(ctl.update(st, in_use=math.floor(ctl.window), now=float(t),
-                                  queued=q).window)
-        return out
+        return [d.window for d in _slow_start_run(queued, **cfg)[1]]
 
     assert grow([30, 30, 30, 30]) == [16.0, 32.0, 62.0, 64.0]  # at most doubling; ceiling
     assert grow([3, 0, 1, 5]) == [11.0, 12.0, 13.0, 18.0]  # the waiting sessions, or +1
     assert grow([30, 30], demand_increase=False) == [9.0, 10.0]
+    # more sessions waiting never means slower growth (W below the additive step)
+    assert grow([5], initial=2, additive_increase=4) == [6.0]
 
 
-def test_the_first_decrease_ends_the_demand_led_start():
+def test_demand_led_start_counts_only_the_sessions_beyond_the_free_slots():
+    """Sessions the window's free slots admit anyway are no demand on W: six of eight slots
+    used and two waiting is no reason to grow (it once opened two slots nobody took)."""
+    # 6 in use: 2 waiting fit the 2 free slots of W = 8 (+1); 5 waiting, 3 free slots of
+    # W = 9: 2 beyond (+2); 12 waiting, 5 free slots of W = 11: 7 beyond (+7)
+    _, out = _slow_start_run([2, 5, 12], in_use=lambda w: 6, increase_min_utilisation=0.5)
+    assert [d.window for d in out] == [9.0, 11.0, 18.0]
+
+
+def test_demand_led_start_does_not_wind_up_behind_a_cap_or_without_kv_evidence():
+    """The demand step is taken only when the window is what holds the sessions: behind the
+    KV soft cap (KV past its knee, still healthy) it would wind W up far above what the
+    engine takes; with no KV feed (a restarted engine, a stale snapshot) the signals are
+    healthy only for want of data."""
+    # KV at 0.80: past the knee, below the band's leave threshold (0.85), so healthy; the
+    # soft cap holds the budget at or below the sessions in use, and W grows by one
+    _, out = _slow_start_run([40] * 3, kv_util=0.80, in_use=lambda w: 20, initial=20)
+    assert out[-1].budget == 22 < out[-1].window  # the soft cap binds (22.3 sessions)
+    assert [d.window for d in out] == [21.0, 22.0, 23.0]
+    # below the knee, but a cap holds the budget under W (the KV cap's session ceiling, its
+    # footprint average still carrying two big sessions seen a moment ago): +1
+    ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=1,
+                                      increase_interval_s=1))
+    st = DualPressureState()
+    kv(st, 0.0, 0.6)
+    ctl.update(st, in_use=2, now=0.0)
+    kv(st, 1.0, 0.3)
+    d = ctl.update(st, in_use=8, now=1.0, queued=40)
+    assert d.kv_cap < 8 and d.window == 9.0 and d.mode == "increase"
+    # no KV feed at all: additive, however many wait
+    ctl = WindowController(AIMDConfig(initial_window=8, healthy_ticks=1,
+                                      increase_interval_s=1))
+    st = DualPressureState()
+    ws = [ctl.update(st, in_use=math.floor(ctl.window), now=float(t), queued=80).window
+          for t in range(5)]
+    assert ws == [8.0, 9.0, 10.0, 11.0, 12.0] and ctl.slow_start
+    # the same with a KV feed below the knee: demand-led
+    _, out = _slow_start_run([80] * 3)
+    assert [d.window for d in out] == [16.0, 32.0, 64.0]
+
+
+def test_demand_led_start_keeps_the_other_growth_rules():
+    """Slow start changes the size of a step, never when one is taken: not while the window
+    is under-used, not while a signal is above its leave threshold."""
+    _, out = _slow_start_run([40] * 3, in_use=lambda w: 4)
+    assert [d.window for d in out] == [8.0] * 3
+    assert all("under-used" in d.reason for d in out)
+    # KV utilisation 0.90: inside the KV band (leave 0.85, enter 0.95): hold
+    _, out = _slow_start_run([40] * 3, kv_util=0.90)
+    assert [d.window for d in out] == [8.0] * 3 and all(d.mode == "hold" for d in out)
+
+
+def test_the_first_overload_ends_the_demand_led_start():
     """After a cut the window is near what the signals allow: growth is additive again
     however many sessions wait, so it does not jump back into the overload it just left."""
     ctl = WindowController(AIMDConfig(initial_window=16, healthy_ticks=1,
@@ -501,11 +569,17 @@ def test_the_first_decrease_ends_the_demand_led_start():
     assert d.mode == "decrease" and d.window == 12.0 and not ctl.slow_start
     windows = []
     for t in range(1, 5):
-        kv(st, float(t), 0.5)
+        kv(st, float(t), 0.01 * math.floor(ctl.window))
         windows.append(ctl.update(st, in_use=math.floor(ctl.window), now=float(t),
                                   queued=20).window)
     assert windows == [13.0, 14.0, 15.0, 16.0]
     assert not WindowController(AIMDConfig(demand_increase=False)).slow_start
+    # an overload at the window's floor cuts nothing but ends the start all the same
+    ctl = WindowController(AIMDConfig(initial_window=1, healthy_ticks=1,
+                                      increase_interval_s=1))
+    kv(st, 10.0, 0.97)
+    d = ctl.update(st, in_use=1, now=10.0, queued=20)
+    assert d.mode == "hold" and "floor" in d.reason and not ctl.slow_start
 
 
 def test_growth_rate_independent_of_call_rate():

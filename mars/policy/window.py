@@ -22,13 +22,14 @@ comparison with Netflix concurrency-limits and Envoy's adaptive-concurrency filt
   still exceed the window (``in_use > W``): admission is already stopped and cutting again
   before the last cut took effect would only collapse the window. Admitted sessions are never
   evicted; the window bites as they end.
-* **Demand-led start.** Until the first decrease, an increase adds the sessions waiting for a
-  slot, at most doubling ``W`` (TCP's slow start, bounded by demand as RFC 7661 bounds a
-  window by its use); the first decrease ends it and growth is additive from then on.
-  Without it the initial window and the paced ``+1`` decided the first minutes of every
-  run: short sessions at a high rate queued behind a window that took minutes to reach the
-  load it could carry with every signal healthy (docs/control_plane.md, *Demand-led
-  start*).
+* **Demand-led start.** Until the first overload, an increase adds the sessions waiting
+  beyond the window's free slots, at most doubling ``W`` (TCP's slow start, bounded by demand
+  as RFC 7661 bounds a window by its use), and only while the window is what holds them (no
+  cap binds) and the KV cache is known to be below its knee; the first overload ends it and
+  growth is additive from then on. Without it the initial window and the paced ``+1``
+  decided the first minutes of every run: short sessions at a high rate queued behind a
+  window that took minutes to reach the load it could carry with every signal healthy
+  (docs/control_plane.md, *Demand-led start*).
 * **Sustained, used, paced increase.** ``+additive_increase`` only after ``healthy_ticks``
   consecutive healthy evaluations taken at most once per ``increase_interval_s`` (so the rate
   of growth does not depend on how often the sidecar calls :meth:`update`), and only if the
@@ -101,8 +102,9 @@ class AIMDConfig:
     #: Sessions added per increase (after the first decrease, or with at most this many
     #: sessions waiting).
     additive_increase: float = 1.0
-    #: Demand-led start: until the first decrease an increase adds the sessions waiting for
-    #: a slot, at most W (doubling). False: every increase is ``additive_increase``.
+    #: Demand-led start: until the first overload an increase adds the sessions waiting
+    #: beyond the window's free slots, at most W (doubling), while the window binds and the
+    #: KV cache is below ``kv_knee``. False: every increase is ``additive_increase``.
     demand_increase: bool = True
     #: Multiplicative decrease factor: W <- max(floor, min(W - 1, base * backoff_ratio)).
     backoff_ratio: float = 0.75
@@ -378,8 +380,7 @@ class WindowController:
         self._streak = 0
         self._last_eval: float | None = None
         self._last_decrease: float = -math.inf
-        #: demand-led start: on until the first decrease (TCP's slow start)
-        self.slow_start: bool = c.demand_increase
+        self._slow_start: bool = c.demand_increase
         self._footprint: float | None = None
         self._share = _ToolShare(c.cpu_rate_tau_s)
         self._last: WindowDecision | None = None
@@ -387,6 +388,11 @@ class WindowController:
     @property
     def last(self) -> WindowDecision | None:
         return self._last
+
+    @property
+    def slow_start(self) -> bool:
+        """The demand-led start is on: no overload seen yet (TCP's slow start)."""
+        return self._slow_start
 
     # ------------------------------------------------------------------ caps
     def kv_cap(self, sig: PressureSignals, in_use: int) -> float:
@@ -450,15 +456,28 @@ class WindowController:
         return min(self.config.increase_min_utilisation * w, float(_whole_sessions(w)))
 
     # ------------------------------------------------------------------ UpdateWindow
-    def increase_step(self, queued: int) -> float:
-        """Sessions one increase adds: in slow start (:attr:`slow_start`) the ones waiting
-        for a slot, at most doubling W, else ``additive_increase``. Only sessions that wait
-        count, so the window never opens slots nobody asked for (the overshoot of a blind
-        doubling)."""
+    def demand_step(self, sig: PressureSignals, in_use: int, queued: int,
+                    cap: float) -> float | None:
+        """Sessions a demand-led increase adds, or None (the additive step applies).
+
+        Only in slow start (:attr:`slow_start`), only the sessions waiting beyond the
+        window's free slots (those slots admit them anyway), at most doubling W, and only
+        when the evidence says the demand is the window's to serve: no cap (``cap``, the
+        tighter of the CPU and KV caps) holds the budget below the window, else the waiting
+        sessions would wind W up behind it; and the KV cache is known to be below its knee
+        (:meth:`kv_scarcity` 0), so no demand step follows a restart or a stale KV feed,
+        when the signals are healthy only for want of data. Never less than the additive
+        step: more sessions waiting never means slower growth."""
         c = self.config
-        if self.slow_start and queued > c.additive_increase:
-            return min(float(queued), self.window)
-        return c.additive_increase
+        if not self._slow_start or self.kv_scarcity(sig) > 0.0:
+            return None
+        whole = _whole_sessions(self.window)
+        if cap < whole:
+            return None
+        beyond = int(queued) - max(0, whole - in_use)
+        if beyond <= c.additive_increase:
+            return None
+        return max(c.additive_increase, min(float(beyond), self.window))
 
     def update(self, state: DualPressureState | PressureSignals, in_use: int,
                now: float, queued: int = 0) -> WindowDecision:
@@ -493,6 +512,10 @@ class WindowController:
         if overloaded:
             self._streak = 0
             hot = [h.name for h in self._latches if h.hot]
+            if hot:
+                # the first overload ends the demand-led start, cut or not (a cut may be
+                # barred at the floor): from here growth is additive
+                self._slow_start = False
             if not hot:
                 reason = "overload latched, signals inside hysteresis band: hold"
             elif now - self._last_decrease < c.decrease_cooldown_s:
@@ -508,7 +531,6 @@ class WindowController:
                     reason = f"overload ({','.join(hot)}): {self.window:.2f} -> {new:.2f}"
                     self.window = new
                     self._last_decrease = now
-                    self.slow_start = False
                 else:
                     reason = f"overload ({','.join(hot)}) at window floor"
         elif not all(h.healthy for h in self._latches):
@@ -526,11 +548,12 @@ class WindowController:
                 reason = (f"healthy but under-used (in_use {in_use} < "
                           f"{used:.2f} of window {self.window:.2f})")
             else:
-                step = self.increase_step(queued)
+                demand = self.demand_step(sig, in_use, queued, min(cpu_cap, kv_cap))
+                step = c.additive_increase if demand is None else demand
                 new = min(float(c.max_window), self.window + step)
                 mode = "increase"
                 reason = f"sustained health: {self.window:.2f} -> {new:.2f}"
-                if step != c.additive_increase:
+                if demand is not None:
                     reason += f" (slow start: {max(0, int(queued))} waiting)"
                 self.window = new
                 self._streak = 0
