@@ -99,8 +99,8 @@ class AIMDConfig:
     max_window: int = 64
     #: Window at start-up (before any evidence).
     initial_window: float = 8.0
-    #: Sessions added per increase (after the first decrease, or with at most this many
-    #: sessions waiting).
+    #: Sessions added per increase (after the first overload, or whenever the demand-led
+    #: step does not apply).
     additive_increase: float = 1.0
     #: Demand-led start: until the first overload an increase adds the sessions waiting
     #: beyond the window's free slots, at most W (doubling), while the window binds and the
