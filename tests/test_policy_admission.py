@@ -150,6 +150,91 @@ def test_packing_room_is_what_the_admitted_sessions_contexts_leave():
         AdmissionConfig(projected_fill=0.0)
 
 
+def _end_grown_sessions(ba: BalanceAndAdmit, n: int, t0: float) -> None:
+    """``n`` sessions admitted, three rounds each on a context growing 50 -> 150 -> 250
+    blocks, ended."""
+    for i in range(n):
+        sid = f"old{i}"
+        ba.enqueue(sid, t0, est_blocks=50)
+        assert ba.step(t0).admitted == [sid]
+        for rnd, blocks in enumerate([50, 150, 250]):
+            submit(ba, sid, t0, blocks, rnd=rnd)
+        ba.release(sid)
+
+
+def test_the_room_charges_the_growth_ended_sessions_showed():
+    """Contexts grow after admission: the admitted sessions count at the expected peak of
+    their sum over the coming rounds, and a queued session at what it raises that by, both from
+    the rounds and growth of the sessions that ended (mars.policy.growth)."""
+    cfg = AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0))
+    ba = BalanceAndAdmit(cfg)
+    snapshot(ba, 0.0, total=1000, used=0)
+    # 7 ended sessions: too few to forecast from, the room is as before
+    _end_grown_sessions(ba, 7, t0=0.0)
+    assert ba.session_peak(100) == 100
+    ba.enqueue("a", 1.0, est_blocks=100)
+    assert ba.step(1.0).admitted == ["a"]
+    submit(ba, "a", 1.0, 100)
+    assert ba.projected_blocks() == 100
+    # the 8th: every one sent 3 rounds, +100 blocks a round
+    _end_grown_sessions(ba, 1, t0=2.0)
+    assert ba.session_peak(100) == 300  # its third round
+    assert ba.projected_blocks() == 300  # a: 100 now, two rounds to go
+    submit(ba, "a", 3.0, 250, rnd=1)  # a's second round: one to go
+    assert ba.projected_blocks() == 350
+    snapshot(ba, 4.0, total=1000, used=0)
+    assert ba.room(ba.state.signals(4.0), 4.0) == 650
+    ba.enqueue("big", 4.0, est_blocks=600)  # fits 650 by its prompt, not with its growth:
+    assert ba.step(4.0).admitted == []  # its second round (700) comes with a's last (350)
+    ba.enqueue("mid", 4.5, est_blocks=500)
+    result = ba.step(4.5)
+    # charged what it raises the peak by: a's last round and its second coincide, 350 + 600;
+    # its own peak (its third round, 700) comes after a has ended
+    assert result.admitted == ["mid"]
+    assert result.pack.planned_blocks == 950 - 350
+    assert ba.projected_blocks() == 950
+    assert ba.step(5.0).admitted == []
+    # off: each context at its latest size; big fits what a (250) and small (400) leave
+    off = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0),
+                                          growth_forecast=False))
+    snapshot(off, 0.0, total=1000, used=0)
+    _end_grown_sessions(off, 8, t0=0.0)
+    assert len(off.growth) == 8 and off.session_peak(100) == 100
+    off.enqueue("a", 1.0, est_blocks=100)
+    off.step(1.0)
+    submit(off, "a", 1.0, 100)
+    submit(off, "a", 3.0, 250, rnd=1)
+    assert off.projected_blocks() == 250
+    off.enqueue("small", 4.0, est_blocks=400)
+    off.enqueue("big", 4.0, est_blocks=350)
+    assert off.step(4.0).admitted == ["big", "small"]
+
+
+def test_growth_is_measured_from_the_first_prompt_to_the_largest():
+    """A session's growth is its largest prompt in the engine less its first (a smaller side
+    call or a summarised context does not undo it), over the calls it submitted; a session
+    that never reached the engine teaches nothing."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    snapshot(ba, 0.0, total=10_000, used=0)
+    for i in range(8):
+        sid = f"s{i}"
+        ba.enqueue(sid, 0.0, est_blocks=10)
+        ba.step(0.0)
+        submit(ba, sid, 0.0, 100)
+        submit(ba, sid, 1.0, 400, rnd=1)
+        submit(ba, sid, 2.0, 20, rnd=2)  # a side call
+        submit(ba, sid, 3.0, 300, rnd=3)  # summarised
+        adm = ba.admitted_sessions()[-1]
+        assert (adm.grown, adm.rounds) == (300, 4)
+        ba.release(sid)
+    ba.enqueue("never", 5.0, est_blocks=10)
+    ba.step(5.0)
+    ba.release("never")
+    ba.release("s0")  # released twice: counted once
+    assert len(ba.growth) == 8
+    assert ba.session_peak(0) == 300  # 100 a round, to its 4th
+
+
 def test_a_side_call_in_flight_does_not_hide_the_main_context():
     """The projected context is the largest prompt the session has in the engine, else its
     latest: a title or summary call submitted while the main call runs does not shrink it,
@@ -495,3 +580,53 @@ def test_the_pressure_state_keeps_tool_calls_queued_for_a_core():
                           call_id="c3"))
     st.forget_session("s")
     assert st.queued_tools_of("s") == 0
+
+
+def test_a_forecast_larger_than_the_pool_waits_for_room_not_for_ever():
+    """A session whose expected peak exceeds the whole pool is charged at most the pool:
+    admitted once nothing else is projected -- also when the only admitted session is quiet
+    (it still holds a slot, so the progress rule, which needs nothing admitted, does not
+    apply), instead of waiting for the idle reaper."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    snapshot(ba, 0.0, total=1000, used=0)
+    for i in range(8):  # 20 rounds, 50 -> 1,190 blocks: more than the pool
+        sid = f"old{i}"
+        ba.enqueue(sid, 0.0, est_blocks=50)
+        ba.step(0.0)
+        for rnd in range(20):
+            submit(ba, sid, 0.0, 50 + 60 * rnd, rnd=rnd)
+        ba.release(sid)
+    assert ba.session_peak(50) == 1190
+    ba.enqueue("gone", 1.0, est_blocks=100)
+    assert ba.step(1.0).admitted == ["gone"]
+    _round(ba, "gone", 0, 1.0, 2.0, 100)  # then silent
+    for _ in range(ba.gaps.min_samples):
+        ba.gaps.observe(1.0)  # rounds of other sessions came within 1 s of each other
+    ba.enqueue("new", 2.5, est_blocks=50)
+    assert ba.step(2.5).admitted == []  # gone still counts: 1,000 - its peak < 1,000
+    snapshot(ba, 10.0, total=1000, used=0)
+    assert ba.quiet_sessions(10.0) == ["gone"]
+    result = ba.step(10.0)
+    assert result.admitted == ["new"] and result.pack.planned_blocks == 1000
+
+
+def test_side_calls_share_their_round():
+    """A title or summary call submitted in a round is not a round of its own, and the first
+    round's context is its largest call, not the small call that happened to come first;
+    calls whose events carry no round count one each."""
+    ba = BalanceAndAdmit(AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0)))
+    snapshot(ba, 0.0, total=10_000, used=0)
+    ba.enqueue("s", 0.0, est_blocks=10)
+    ba.step(0.0)
+    for rid, rnd, blocks in [("t", 0, 20), ("m0", 0, 100), ("m1", 1, 400), ("x", 1, 30)]:
+        ba.observe(make_event("gpu_submit", ts=1.0, session_id="s", request_id=f"s.{rid}",
+                              round=rnd, prompt_tokens=blocks * 16, projected_blocks=blocks))
+    (adm,) = ba.admitted_sessions()
+    assert (adm.rounds, adm.first_blocks, adm.grown) == (2, 100, 300)
+    ba.enqueue("n", 0.0, est_blocks=10)
+    ba.step(0.0)
+    for i, blocks in enumerate([50, 80, 90]):
+        ba.observe(make_event("gpu_submit", ts=1.0, session_id="n", request_id=f"n.{i}",
+                              prompt_tokens=blocks * 16, projected_blocks=blocks))
+    adm = [a for a in ba.admitted_sessions() if a.session_id == "n"][0]
+    assert (adm.rounds, adm.grown) == (3, 40)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mars.policy.events import make_event
-from mars.policy.packing import (PackConfig, PackMode, PackQueue, QueuedSession, choose_mode,
-                                 estimate_blocks)
+from mars.policy.packing import (Footprint, PackConfig, PackMode, PackQueue, QueuedSession,
+                                 choose_mode, estimate_blocks)
 from mars.policy.pressure import DualPressureState, PressureConfig
 
 
@@ -185,3 +185,47 @@ def test_no_slots_or_empty_queue():
     pq = PackQueue()
     assert pq.pack([q("a", 1)], state(), budget_slots=0, free_blocks=None, now=0).sessions == []
     assert pq.pack([], state(), budget_slots=5, free_blocks=None, now=0).sessions == []
+
+
+class Doubling(Footprint):
+    """A projection in which every session needs twice its prompt, less a discount once
+    two are in (a stand-in for mars.policy.growth.Projection: growth that overlaps less)."""
+
+    def __init__(self) -> None:
+        self.added: list[int] = []
+
+    def rise(self, blocks: int) -> int:
+        return 2 * blocks - (blocks // 2 if len(self.added) >= 2 else 0)
+
+    def add(self, blocks: int) -> int:
+        r = self.rise(blocks)
+        self.added.append(blocks)
+        return r
+
+
+def test_a_footprint_charges_each_pick_what_it_raises_the_projection_by():
+    """With a footprint the packer charges a session what it raises the admitted sessions'
+    projected need by (at least its estimate), adds each pick to it, and plans their sum;
+    the progress rule's admission is added too."""
+    pq = PackQueue(PackConfig(kv_reserve_frac=0.0))
+    fp = Doubling()
+    res = pq.pack([q("a", 100, seq=0), q("b", 150, seq=1), q("c", 200, seq=2),
+                   q("d", 300, seq=3)], state(util=0.0), 4, 800, 0.0, footprint=fp)
+    # a: 200, b: 300 (500 of 800), c: 400 - 100 = 300 (800), d: 450 > 0 left
+    assert res.session_ids == ["a", "b", "c"] and res.planned_blocks == 800
+    assert fp.added == [100, 150, 200]
+    # without one, the estimates: d fits too (750 of 800)
+    assert pq.pack([q("a", 100), q("b", 150), q("c", 200), q("d", 300)], state(util=0.0),
+                   4, 800, 0.0).session_ids == ["a", "b", "c", "d"]
+
+    class Shrinking(Doubling):
+        def rise(self, blocks: int) -> int:
+            return 0  # growth that comes only after the others end: still its prompt now
+
+    res = pq.pack([q("a", 100), q("b", 150)], state(util=0.0), 4, 200, 0.0,
+                  footprint=Shrinking())
+    assert res.session_ids == ["a"] and res.planned_blocks == 100
+    # nothing admitted anywhere: the progress rule's pick is added to the projection
+    fp = Doubling()
+    res = pq.pack([q("big", 900)], state(util=0.0), 4, 500, 0.0, in_use=0, footprint=fp)
+    assert res.session_ids == ["big"] and fp.added == [900]

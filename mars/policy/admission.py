@@ -43,6 +43,7 @@ from typing import Any, Iterator, Mapping
 
 from mars.policy.window import WindowController, AIMDConfig, WindowDecision
 from mars.policy.events import make_event
+from mars.policy.growth import ContextGrowth, Projection
 from mars.policy.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
                                  estimate_blocks)
 from mars.policy.pressure import DualPressureState, PressureConfig, PressureSignals
@@ -68,6 +69,11 @@ class AdmissionConfig:
     #: prompt, from ``gpu_submit``) may fill; a new session is packed only into what is left
     #: (``None``: off, only the free blocks bound packing). See :meth:`BalanceAndAdmit.room`.
     projected_fill: float | None = 1.0
+    #: Count the admitted contexts in the packing room at the expected peak of their sum
+    #: over the coming rounds, from the rounds and growth of the sessions that ended
+    #: (:mod:`mars.policy.growth`), and charge a queued session what it raises that by; False:
+    #: each context at its latest size, a queued one at its estimate (the behaviour before).
+    growth_forecast: bool = True
     aimd: AIMDConfig = field(default_factory=AIMDConfig)
     packing: PackConfig = field(default_factory=PackConfig)
     pressure: PressureConfig = field(default_factory=PressureConfig)
@@ -98,6 +104,41 @@ class AdmittedSession:
     idle_since: float | None = None
     #: requests the sidecar forwarded and has not seen finish (not in the engine yet, maybe)
     forwarded: int = 0
+    #: KV blocks of its first round's prompt in the engine (the largest call of that round:
+    #: a title or summary side call does not pass for it), and of its largest: how far its
+    #: context has grown (None until its first ``gpu_submit``)
+    first_blocks: int | None = None
+    peak_blocks: int = 0
+    #: calls submitted so far; the first and latest round numbers the events carried
+    calls: int = 0
+    first_round: int | None = None
+    last_round: int | None = None
+
+    @property
+    def rounds(self) -> int:
+        """Rounds it has sent: by the rounds its calls carried (side calls share their
+        round), else by its calls."""
+        if self.first_round is not None and self.last_round is not None:
+            return self.last_round - self.first_round + 1
+        return self.calls
+
+    def submitted(self, blocks: int, rnd: Any) -> None:
+        """One of its calls reached the engine with a prompt of ``blocks``."""
+        self.calls += 1
+        self.peak_blocks = max(self.peak_blocks, blocks)
+        if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
+            if self.first_round is None:
+                self.first_round = rnd
+            self.last_round = max(self.last_round if self.last_round is not None else rnd, rnd)
+            if rnd == self.first_round:
+                self.first_blocks = max(self.first_blocks or 0, blocks)
+        if self.first_blocks is None:
+            self.first_blocks = blocks
+
+    @property
+    def grown(self) -> int:
+        """Blocks its context has grown since its first prompt reached the engine."""
+        return 0 if self.first_blocks is None else max(0, self.peak_blocks - self.first_blocks)
 
     def quiet(self, now: float, longest: float, tools: int) -> bool:
         """Nothing of it in the engine, at the sidecar or at a core (``tools``: its tool
@@ -204,6 +245,9 @@ class BalanceAndAdmit:
         self._seq = itertools.count()
         self.last: StepResult | None = None
         self.gaps = RoundGaps()
+        self.growth = ContextGrowth()
+        #: never ready: the projection without a forecast (``growth_forecast`` off)
+        self._no_growth = ContextGrowth(max_samples=1, min_samples=2)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -235,12 +279,27 @@ class BalanceAndAdmit:
         return sum(b for b, _ in self._pending.values())
 
     def projected_blocks(self, now: float | None = None) -> int:
-        """KV blocks the admitted sessions' contexts need resident when their next rounds
-        come (each one's latest prompt); with ``now``, quiet sessions (module docstring)
-        are left out."""
+        """KV blocks the admitted sessions' contexts are expected to need resident at once:
+        the expected peak, over their coming rounds, of their summed contexts
+        (:class:`~mars.policy.growth.ContextGrowth`; with ``growth_forecast`` off or too few
+        ended sessions, the sum of each one's latest prompt); with ``now``, quiet sessions
+        (module docstring) are left out."""
+        return self.projection(now).peak
+
+    def projection(self, now: float | None = None) -> Projection:
+        """The admitted sessions' projected contexts (:meth:`projected_blocks`), to which
+        the packer adds the sessions it picks."""
         quiet = set(self.quiet_sessions(now)) if now is not None else ()
-        return sum(a.projected_blocks for a in self._admitted.values()
-                   if a.session_id not in quiet)
+        counted = [(a.projected_blocks, a.rounds) for a in self._admitted.values()
+                   if a.session_id not in quiet]
+        growth = self.growth if self.config.growth_forecast else self._no_growth
+        return growth.project(counted)
+
+    def session_peak(self, est_blocks: int) -> int:
+        """A queued session's expected peak context, from its first prompt's estimate (the
+        estimate itself with ``growth_forecast`` off or too few ended sessions)."""
+        growth = self.growth if self.config.growth_forecast else self._no_growth
+        return growth.session_peak(est_blocks)
 
     def quiet_sessions(self, now: float) -> list[str]:
         """Admitted sessions the packing room does not count now (module docstring)."""
@@ -267,7 +326,8 @@ class BalanceAndAdmit:
         if delta < 0 and adm.forwarded == 0 and not adm.inflight:
             adm.idle_since = now if adm.idle_since is None else max(adm.idle_since, now)
 
-    def room(self, sig: PressureSignals, now: float) -> int | None:
+    def room(self, sig: PressureSignals, now: float,
+             projection: Projection | None = None) -> int | None:
         """The KV budget PackQueue packs new sessions into (None: unknown, no bound).
 
         The free blocks, less the estimates of sessions admitted but not yet resident
@@ -287,7 +347,8 @@ class BalanceAndAdmit:
             free = max(0, free - self.pending_blocks(now))
         fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
         if fill is not None and pool:
-            left = max(0, int(fill * pool) - self.projected_blocks(now))
+            peak = (projection or self.projection(now)).peak
+            left = max(0, int(fill * pool) - peak)
             free = left if free is None else min(free, left)
         return free
 
@@ -322,6 +383,7 @@ class BalanceAndAdmit:
                         self.gaps.observe(t - adm.idle_since)
                 adm.idle_since = None
                 adm.latest_blocks = int(blocks)
+                adm.submitted(int(blocks), event.get("round"))
                 adm.inflight[str(event.get("request_id"))] = int(blocks)
                 ok = True
         elif kind in ("gpu_1st_token", "gpu_end", "preempt"):
@@ -371,7 +433,10 @@ class BalanceAndAdmit:
         """A session ended: free its slot (idempotent). Also drops it from the queue."""
         self._pending.pop(session_id, None)
         self.state.forget_session(session_id)
-        was_admitted = self._admitted.pop(session_id, None) is not None
+        adm = self._admitted.pop(session_id, None)
+        was_admitted = adm is not None
+        if adm is not None and adm.first_blocks is not None:
+            self.growth.observe(adm.rounds, adm.grown)
         was_queued = self._queue.pop(session_id, None) is not None
         return was_admitted or was_queued
 
@@ -390,8 +455,12 @@ class BalanceAndAdmit:
         admitted: list[str] = []
         admissions: list[tuple[str, float, int]] = []
         if self._queue:
-            free = self.room(sig, now)
-            pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use)
+            projection = self.projection(now)
+            free = self.room(sig, now, projection)
+            fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
+            pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use,
+                                    footprint=projection,
+                                    charge_cap=int(fill * pool) if fill and pool else None)
             ttl = self.config.pending_ttl_s
             for qs in pack.sessions:
                 del self._queue[qs.session_id]

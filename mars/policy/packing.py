@@ -32,6 +32,7 @@ Pure functions of their inputs; ``now`` is passed in.
 
 from __future__ import annotations
 
+import abc
 import enum
 import math
 import statistics
@@ -44,12 +45,30 @@ from mars.policy.pressure import DualPressureState, PressureSignals
 def estimate_blocks(prompt_tokens: int, block_size: int) -> int:
     """KV blocks a prompt of ``prompt_tokens`` occupies: ``ceil(tokens / block_size)``.
 
-    Only the known prompt is counted; the session's later growth (decode, further rounds)
-    is what ``PackConfig.kv_reserve_frac`` leaves room for.
+    Only the known prompt is counted; the session's later growth (further rounds) is the
+    caller's forecast (``footprint`` of :meth:`PackQueue.pack`, measured by
+    :mod:`mars.policy.growth`), and ``PackConfig.kv_reserve_frac`` leaves room for what no
+    forecast sees (decode within a round).
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     return max(0, math.ceil(max(0, int(prompt_tokens)) / block_size))
+
+
+class Footprint(abc.ABC):
+    """What admitting a session adds to the KV blocks the admitted sessions are projected to
+    need at once. The packer charges a session this rather than its first prompt, without
+    knowing how the projection is made (:class:`mars.policy.growth.Projection`: the
+    expected peak of the contexts' sum as they grow)."""
+
+    @abc.abstractmethod
+    def rise(self, blocks: int) -> int:
+        """Blocks the projection rises by if a session whose first prompt is ``blocks``
+        joins those added so far."""
+
+    @abc.abstractmethod
+    def add(self, blocks: int) -> int:
+        """Add that session (it is admitted); return the rise."""
 
 
 class PackMode(str, enum.Enum):
@@ -182,14 +201,40 @@ class PackQueue:
 
     def pack(self, queue: Iterable[QueuedSession], state: DualPressureState | PressureSignals,
              budget_slots: int, free_blocks: int | None, now: float, *,
-             in_use: int = 0, mode: PackMode | None = None) -> PackResult:
+             in_use: int = 0, mode: PackMode | None = None,
+             footprint: Footprint | None = None,
+             charge_cap: int | None = None) -> PackResult:
         """Choose up to ``budget_slots`` sessions to admit now, in order.
 
         ``free_blocks`` is the KV budget for this step (None = unknown: KV mode is not used
         unless forced with ``mode``, and then packs as if unlimited). ``in_use`` (sessions
-        already admitted) only matters for the progress rule.
+        already admitted) only matters for the progress rule. ``footprint``: the admitted
+        sessions' projected need; a session is then charged what it raises that by (at least
+        its estimate: ``free_blocks`` also bounds what is resident now), and each pick is
+        added to it. None: a session is charged its estimate. ``charge_cap``: the room a pool
+        with nothing projected would leave (the caller's), less the reserve: no session is
+        charged more than that, so a forecast larger than the whole pool waits for the pool
+        to empty, never for ever (a session admitted but quiet, not projected, still counts
+        in ``in_use`` and so holds off the progress rule).
         """
         cfg = self.config
+        cap = math.inf
+        if charge_cap is not None:
+            cap = max(0.0, charge_cap - cfg.kv_reserve_frac * (_signals(state, now).total_blocks
+                                                              or 0))
+
+        def need(s: QueuedSession) -> int:
+            if footprint is None or s.est_blocks > budget:  # (cannot fit: no need to price)
+                return s.est_blocks
+            return max(s.est_blocks, min(footprint.rise(s.est_blocks), cap))
+
+        def take(s: QueuedSession, n: int) -> int:
+            picks.append(s)
+            charged.append(n)
+            if footprint is not None:
+                footprint.add(s.est_blocks)
+            return n
+
         queue = list(queue)
         sig = _signals(state, now)
         if mode is None:
@@ -216,13 +261,14 @@ class PackQueue:
             reserve = cfg.kv_reserve_frac * (sig.total_blocks or 0)
             budget = max(0.0, free_blocks - reserve)
         picks: list[QueuedSession] = []
+        charged: list[int] = []
         reserved: QueuedSession | None = None
         for s in aged:  # oldest first, strict order: an aged session is never overtaken
             if len(picks) >= budget_slots:
                 break
-            if s.est_blocks <= budget:
-                picks.append(s)
-                budget -= s.est_blocks
+            n = need(s)
+            if n <= budget:
+                budget -= take(s, n)
             else:
                 reserved = s
                 break
@@ -233,17 +279,17 @@ class PackQueue:
             for s in rest:
                 if len(picks) >= budget_slots:
                     break
-                if s.est_blocks <= budget:
-                    picks.append(s)
-                    budget -= s.est_blocks
+                n = need(s)
+                if n <= budget:
+                    budget -= take(s, n)
         # Progress rule: with nothing admitted anywhere, waiting frees no memory.
         if not picks and in_use == 0:
             first = reserved or (aged[0] if aged else rest[0])
-            picks.append(first)
+            take(first, first.est_blocks)
             why += f"; progress rule admits {first.session_id} (nothing running)"
             reserved = None
         elif reserved is not None:
-            why += (f"; aged {reserved.session_id} needs {reserved.est_blocks} blocks > "
+            why += (f"; aged {reserved.session_id} needs {need(reserved)} blocks > "
                     f"budget {budget:g}: reserving")
         return PackResult(picks, mode, why, reserved_for=reserved.session_id if reserved else None,
-                          planned_blocks=sum(s.est_blocks for s in picks))
+                          planned_blocks=sum(charged))

@@ -309,6 +309,9 @@ class AdmissionCore:
             "projected_blocks": self.balance.projected_blocks(now),
             "quiet_sessions": len(self.balance.quiet_sessions(now)),
             "round_gap_longest_s": self.balance.gaps.longest(),
+            # the growth forecast in it: how many ended sessions it is measured on (none
+            # before 8: projected_blocks is then the latest contexts' sum)
+            "growth_samples": len(self.balance.growth),
             "signals": {
                 "active_tools": sig.active_tools, "cpu_load": sig.cpu_load,
                 "tool_cores": sig.tool_cores, "tool_duration_ema_s": sig.tool_duration_ema,
