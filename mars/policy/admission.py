@@ -118,7 +118,7 @@ class AdmittedSession:
     def rounds(self) -> int:
         """Rounds it has sent: by the rounds its calls carried (side calls share their
         round), else by its calls."""
-        if self.first_round is not None and self.last_round is not None:
+        if self.first_round is not None:  # (last_round is set with it)
             return self.last_round - self.first_round + 1
         return self.calls
 
@@ -128,8 +128,8 @@ class AdmittedSession:
         self.peak_blocks = max(self.peak_blocks, blocks)
         if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
             if self.first_round is None:
-                self.first_round = rnd
-            self.last_round = max(self.last_round if self.last_round is not None else rnd, rnd)
+                self.first_round = self.last_round = rnd
+            self.last_round = max(self.last_round, rnd)
             if rnd == self.first_round:
                 self.first_blocks = max(self.first_blocks or 0, blocks)
         if self.first_blocks is None:
@@ -292,14 +292,21 @@ class BalanceAndAdmit:
         quiet = set(self.quiet_sessions(now)) if now is not None else ()
         counted = [(a.projected_blocks, a.rounds) for a in self._admitted.values()
                    if a.session_id not in quiet]
-        growth = self.growth if self.config.growth_forecast else self._no_growth
-        return growth.project(counted)
+        return self._forecaster.project(counted)
 
     def session_peak(self, est_blocks: int) -> int:
         """A queued session's expected peak context, from its first prompt's estimate (the
         estimate itself with ``growth_forecast`` off or too few ended sessions)."""
-        growth = self.growth if self.config.growth_forecast else self._no_growth
-        return growth.session_peak(est_blocks)
+        return self._forecaster.session_peak(est_blocks)
+
+    @property
+    def _forecaster(self) -> ContextGrowth:
+        return self.growth if self.config.growth_forecast else self._no_growth
+
+    def _fill_blocks(self, sig: PressureSignals) -> int | None:
+        """``projected_fill`` of the pool in blocks (None: off, or the pool not known)."""
+        fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
+        return int(fill * pool) if fill is not None and pool else None
 
     def quiet_sessions(self, now: float) -> list[str]:
         """Admitted sessions the packing room does not count now (module docstring)."""
@@ -345,10 +352,9 @@ class BalanceAndAdmit:
         free = sig.free_blocks
         if free is not None:
             free = max(0, free - self.pending_blocks(now))
-        fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
-        if fill is not None and pool:
-            peak = (projection or self.projection(now)).peak
-            left = max(0, int(fill * pool) - peak)
+        limit = self._fill_blocks(sig)
+        if limit is not None:
+            left = max(0, limit - (projection or self.projection(now)).peak)
             free = left if free is None else min(free, left)
         return free
 
@@ -457,10 +463,8 @@ class BalanceAndAdmit:
         if self._queue:
             projection = self.projection(now)
             free = self.room(sig, now, projection)
-            fill, pool = self.config.projected_fill, sig.pool_blocks or sig.total_blocks
             pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use,
-                                    footprint=projection,
-                                    charge_cap=int(fill * pool) if fill and pool else None)
+                                    footprint=projection, charge_cap=self._fill_blocks(sig))
             ttl = self.config.pending_ttl_s
             for qs in pack.sessions:
                 del self._queue[qs.session_id]

@@ -218,10 +218,6 @@ class PackQueue:
         in ``in_use`` and so holds off the progress rule).
         """
         cfg = self.config
-        cap = math.inf
-        if charge_cap is not None:
-            cap = max(0.0, charge_cap - cfg.kv_reserve_frac * (_signals(state, now).total_blocks
-                                                              or 0))
 
         def need(s: QueuedSession) -> int:
             if footprint is None or s.est_blocks > budget:  # (cannot fit: no need to price)
@@ -255,11 +251,9 @@ class PackQueue:
         # cache at once in ``mars sim`` and preempted each other's prefills for 400 s.)
         if free_blocks is None:
             free_blocks = sig.free_blocks
-        if free_blocks is None:
-            budget = math.inf
-        else:
-            reserve = cfg.kv_reserve_frac * (sig.total_blocks or 0)
-            budget = max(0.0, free_blocks - reserve)
+        reserve = cfg.kv_reserve_frac * (sig.total_blocks or 0)
+        budget = math.inf if free_blocks is None else max(0.0, free_blocks - reserve)
+        cap = math.inf if charge_cap is None else max(0.0, charge_cap - reserve)
         picks: list[QueuedSession] = []
         charged: list[int] = []
         reserved: QueuedSession | None = None
