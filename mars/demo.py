@@ -47,13 +47,13 @@ def run_demo(args: argparse.Namespace) -> int:
 def write_estimated_ideal(path: Path, regime: str, num_tasks: int, rate: float, seed: int,
                           emulate: str, context_limit: int | None = None) -> dict[str, float]:
     """{task_id: seconds}: each task alone on the emulated GPU, by the step-time model."""
+    from mars.emulate.measured import step_model_for
     from mars.emulate.specs import get_gpu, get_model
-    from mars.emulate.step_time import StepTimeModel
     from mars.workloads.generator import generate
     from mars.workloads.ideal import estimate_isolated_s
 
     gpu, _, model = emulate.partition(":")
-    stm = StepTimeModel(get_model(model), get_gpu(gpu))
+    stm = step_model_for(get_model(model), get_gpu(gpu))
     trace = generate(regime, num_tasks=num_tasks, rate=rate, seed=seed,
                      context_limit=context_limit)
     ideal = {t.task_id: estimate_isolated_s(t, stm) for t in trace}

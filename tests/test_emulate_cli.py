@@ -9,14 +9,17 @@ from mars.cli import main
 
 def test_profiles_step_and_compare_print_emulated_numbers(capsys):
     assert main(["emulate", "profiles"]) == 0
-    out = capsys.readouterr().out
+    main_profiles_out = out = capsys.readouterr().out
     assert "emulated GPU" in out and "| h100 | qwen3-coder-30b-a3b |" in out
+    assert "| h100-nvl | gpt-oss-120b | derived h100-nvl (from measured h100) |" in out
     assert main(["emulate", "step", "--gpu", "h200", "--model", "gpt-oss-120b",
                  "--decode", "16", "--context", "8000", "--prefill", "2048"]) == 0
     out = capsys.readouterr().out
     assert "emulated GPU" in out and "step" in out and "attention" in out
     assert main(["emulate", "compare"]) == 0
-    assert "oss-h100-32k-prefill" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "oss-h100-32k" in out and "measured: median |error|" in out
+    assert "| h100 | qwen3-coder-30b-a3b | measured h100 |" in main_profiles_out
 
 
 def test_bad_input_is_a_clear_error():

@@ -135,11 +135,30 @@ class ModelSpec:
         sliding = min(tokens, self.sliding_window or 0) * self.sliding_layers
         return (tokens * self.full_layers + sliding) * self.kv_bytes_per_token_layer()
 
-    def max_sequence_tokens(self, budget_bytes: float) -> int:
-        """The longest sequence whose KV fits in ``budget_bytes`` (inverse of
-        :meth:`kv_bytes_per_sequence` for sequences longer than the window)."""
-        window = (self.sliding_window or 0) * self.sliding_layers
-        return int((budget_bytes / self.kv_bytes_per_token_layer() - window) // self.full_layers)
+    def max_sequence_tokens(self, budget_bytes: float, block_size: int = 1,
+                            in_flight_tokens: int = 0) -> int:
+        """The longest sequence vLLM will accept with ``budget_bytes`` of KV pool, as its
+        start-up check counts it (``vllm/v1/core/kv_cache_utils.py``, ``get_kv_cache_configs``
+        and ``_max_memory_usage_bytes_from_groups``): the layers are grouped (hybrid models
+        padded to groups of equal size), one pool block holds one page of every layer of a
+        group, the null block the pool holds back does not count, and a request needs
+        ``ceil(len / block_size)`` blocks per full-attention group and
+        ``ceil((window - 1 + in_flight_tokens) / block_size) + 1`` per sliding-window group.
+        So the answer is a whole number of blocks: a limit one token past a block boundary
+        needs one block more than the pool has, and vLLM refuses to start."""
+        bs = max(1, int(block_size))
+        page = bs * self.kv_bytes_per_token_layer()
+        F, S = self.full_layers, self.sliding_layers
+        group = max(F, S) if S else F
+        pool_block = group * page
+        full_groups = -(-F // group)
+        sliding_blocks = 0
+        if S:
+            window_tokens = (self.sliding_window or 0) - 1 + max(0, int(in_flight_tokens))
+            sliding_blocks = -(-S // group) * (-(-window_tokens // bs) + 1)
+        usable = int(budget_bytes // pool_block) - 1  # the null block
+        blocks = (usable - sliding_blocks) // full_groups
+        return max(0, blocks) * bs
 
     def with_kv_bytes(self, kv_bytes: float) -> "ModelSpec":
         from dataclasses import replace

@@ -34,6 +34,7 @@ roofline.go``); the overheads are its fitted H100 vLLM coefficients.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -128,7 +129,60 @@ class StepBreakdown:
         return self.projections + self.mlp + self.attention + self.logits + self.overhead
 
 
-class StepTimeModel:
+class StepTimer(ABC):
+    """The time of one engine step from its batch: what the emulated executor, the
+    simulator, the ideal latencies and the published-point checks ask of a step-time model.
+
+    Two implementations: :class:`StepTimeModel`, the roofline with efficiency factors (any GPU
+    from its spec sheet; fitted to a CPU engine by ``mars emulate calibrate``), and
+    :class:`mars.emulate.measured.MeasuredStepModel`, operator timings measured on the GPU
+    and interpolated (the shipped H100 and H200 profiles, docs/emulation.md)."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+
+    @abstractmethod
+    def breakdown(self, batch) -> StepBreakdown:
+        """Seconds per component for one step over ``batch`` ((new, context) pairs or
+        :class:`BatchEntry`)."""
+
+    #: what the model is, for logs and reports ("roofline", "measured h100 ...")
+    kind: str = "roofline"
+
+    def step_time(self, batch: Iterable[BatchEntry] | Iterable[tuple[int, int]]) -> float:
+        """Seconds for one step over ``batch`` ((new, context) pairs or BatchEntry)."""
+        return self.breakdown(batch).total
+
+    def prefill_time(self, prompt: int, chunk: int | None = None) -> float:
+        """Time to prefill ``prompt`` tokens alone, in chunks of ``chunk`` (None: one step)."""
+        chunk = chunk or prompt
+        done, t = 0, 0.0
+        while done < prompt:
+            n = min(chunk, prompt - done)
+            t += self.step_time([(n, done)])
+            done += n
+        return t
+
+    def decode_step(self, batch: int, context: int) -> float:
+        """One decode step of ``batch`` requests, each over ``context`` tokens."""
+        return self.step_time([(1, context)] * batch)
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9,
+                           reserve_gib: float = ACTIVATION_RESERVE_GIB) -> int:
+        """Context tokens the KV cache holds (full-attention layers), as vLLM sizes the pool
+        (:func:`~mars.emulate.specs.kv_budget_bytes`); 0 when the weights do not fit."""
+        try:
+            free = kv_budget_bytes(self.model, self.gpu, gpu_memory_utilization, reserve_gib)
+        except ValueError:
+            return 0
+        per = self.model.kv_bytes_per_token()
+        return math.floor(free / per) if per > 0 else 0
+
+
+class StepTimeModel(StepTimer):
+    """The roofline: each component at the longer of its compute and its memory traffic,
+    at efficiency-derated peaks, plus fixed overheads (the module docstring)."""
+
     def __init__(self, model: ModelSpec, gpu: GpuSpec,
                  coefficients: StepCoefficients | None = None) -> None:
         self.model, self.gpu = model, gpu
@@ -150,10 +204,6 @@ class StepTimeModel:
         self._fixed = c.step_overhead_s + m.num_layers * c.layer_overhead_s
 
     # ------------------------------------------------------------------ the model
-    def step_time(self, batch: Iterable[BatchEntry] | Iterable[tuple[int, int]]) -> float:
-        """Seconds for one step over ``batch`` ((new, context) pairs or BatchEntry)."""
-        return self.breakdown(batch).total
-
     def breakdown(self, batch) -> StepBreakdown:
         return self.time_of(self.work(batch))
 
@@ -227,29 +277,3 @@ class StepTimeModel:
             return bw
         hot = min(total, c.cache_bytes)
         return total / (hot / (bw * c.cache_bandwidth_ratio) + (total - hot) / bw)
-
-    # ------------------------------------------------------------------ derived figures
-    def prefill_time(self, prompt: int, chunk: int | None = None) -> float:
-        """Time to prefill ``prompt`` tokens alone, in chunks of ``chunk`` (None: one step)."""
-        chunk = chunk or prompt
-        done, t = 0, 0.0
-        while done < prompt:
-            n = min(chunk, prompt - done)
-            t += self.step_time([(n, done)])
-            done += n
-        return t
-
-    def decode_step(self, batch: int, context: int) -> float:
-        """One decode step of ``batch`` requests, each over ``context`` tokens."""
-        return self.step_time([(1, context)] * batch)
-
-    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9,
-                           reserve_gib: float = ACTIVATION_RESERVE_GIB) -> int:
-        """Context tokens the KV cache holds (full-attention layers), as vLLM sizes the pool
-        (:func:`~mars.emulate.specs.kv_budget_bytes`); 0 when the weights do not fit."""
-        try:
-            free = kv_budget_bytes(self.model, self.gpu, gpu_memory_utilization, reserve_gib)
-        except ValueError:
-            return 0
-        per = self.model.kv_bytes_per_token()
-        return math.floor(free / per) if per > 0 else 0

@@ -103,12 +103,16 @@ def point_config(args: argparse.Namespace, policy: str):
 
 
 def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
+    from mars.emulate.measured import step_model_stamp
     from mars.workloads.ideal import trace_digest
     from mars.workloads.prompts import DEFAULT_TOKEN_RANGE
     from mars.workloads.trace import dumps_trace
 
     return {"trace_sha256": trace_digest(dumps_trace(trace)), "simulated": True,
             "gpu": args.gpu, "model": args.model, "policy": IDEAL_POLICY,
+            # the step-time model the isolated runs were timed with (measured tables change
+            # when re-timed; a profile's roofline is keyed by its digest below)
+            **({} if args.profile else {"step_model": step_model_stamp(args.gpu, args.model)}),
             **({"profile_sha256": args.profile_sha256} if args.profile else {}),
             "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
             "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed,

@@ -35,7 +35,8 @@ from mars.emulate.pacing import StepPacer, WallPacer, set_active
 from mars.emulate.profile import DeviceProfile
 from mars.emulate.specs import (ACTIVATION_RESERVE_GIB, GpuSpec, ModelSpec, get_gpu, get_model,
                                 kv_budget_bytes)
-from mars.emulate.step_time import StepCoefficients, StepTimeModel
+from mars.emulate.measured import step_model_for
+from mars.emulate.step_time import StepCoefficients, StepTimer
 
 logger = logging.getLogger("mars.emulate")
 
@@ -56,18 +57,22 @@ class EmulationConfig:
     #: a calibrated device profile (:mod:`mars.emulate.profile`, as a dict): its device,
     #: model, coefficients and KV pool replace the shipped GPU x model
     profile: dict[str, Any] | None = None
+    #: "measured": the operator tables timed on the GPU where they exist (H100, H200 and the
+    #: NVL cards derived from them), else the roofline; "roofline": the roofline always (the
+    #: model every result before the measured tables came from)
+    step_model: str = "measured"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EmulationConfig":
         return cls(gpu=d["gpu"], model=d["model"], coefficients=dict(d.get("coefficients") or {}),
                    reserve_gib=float(d.get("reserve_gib", ACTIVATION_RESERVE_GIB)),
                    natural_tokens=int(d.get("natural_tokens", NATURAL_TOKENS)),
-                   profile=d.get("profile"))
+                   profile=d.get("profile"), step_model=str(d.get("step_model", "measured")))
 
     def as_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "model": self.model, "coefficients": self.coefficients,
                 "reserve_gib": self.reserve_gib, "natural_tokens": self.natural_tokens,
-                "profile": self.profile}
+                "profile": self.profile, "step_model": self.step_model}
 
     def device_profile(self) -> DeviceProfile | None:
         return DeviceProfile.from_dict(self.profile) if self.profile is not None else None
@@ -83,6 +88,14 @@ class EmulationConfig:
         """The profile's fitted coefficients (or the defaults), with any overrides applied."""
         prof = self.device_profile()
         return replace(prof.coefficients if prof else StepCoefficients(), **self.coefficients)
+
+    def step_timer(self, model: ModelSpec, gpu: GpuSpec) -> StepTimer:
+        """The step-time model: a device profile's fitted roofline, the roofline with the
+        coefficients overridden, or (by default) the measured tables where the GPU has them
+        (:func:`mars.emulate.measured.step_model_for`)."""
+        if self.device_profile() is not None or self.coefficients:
+            return step_model_for(model, gpu, self.step_coefficients(), kind="roofline")
+        return step_model_for(model, gpu, kind=self.step_model)
 
     def kv_cache_bytes(self, model: ModelSpec, gpu: GpuSpec, utilization: float) -> int:
         """The KV pool: the profile's measured pool, or what the card leaves
@@ -118,7 +131,7 @@ class EmulatedWorker:
         self.config = EmulationConfig.from_dict(raw)
         cache = vllm_config.cache_config
         self.model, self.gpu = self.config.specs(str(cache.cache_dtype))
-        self.step_model = StepTimeModel(self.model, self.gpu, self.config.step_coefficients())
+        self.step_model = self.config.step_timer(self.model, self.gpu)
         self.table = RequestTable(EmulatedOutput(
             token_hi=tokenizer_size(vllm_config.model_config),
             natural_tokens=self.config.natural_tokens))
@@ -163,9 +176,10 @@ class EmulatedWorker:
         block = self.vllm_config.cache_config.block_size
         tokens = getattr(self.vllm_config.cache_config, "kv_cache_size_tokens", None)
         logger.warning(
-            "mars: EMULATED GPU %s serving %s (no weights; step-time model): %.1f GiB of KV "
-            "cache = %d blocks of %d tokens; vLLM's capacity %s tokens at max_model_len %d",
-            self.gpu.name, self.model.name, self.determine_available_memory() / 2**30,
+            "mars: EMULATED GPU %s serving %s (no weights; step-time model: %s): %.1f GiB of "
+            "KV cache = %d blocks of %d tokens; vLLM's capacity %s tokens at max_model_len %d",
+            self.gpu.name, self.model.name, self.step_model.kind,
+            self.determine_available_memory() / 2**30,
             cfg.num_blocks, block, f"{tokens:,}" if tokens else "?",
             self.vllm_config.model_config.max_model_len)
 

@@ -215,7 +215,7 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     extra = args.emulate_config or {}
     if not isinstance(extra, dict):
         raise SystemExit("mars-vllm: --emulate-config must be a JSON object")
-    unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens"}
+    unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens", "step_model"}
     if unknown:
         raise SystemExit(f"mars-vllm: --emulate-config: unknown keys {sorted(unknown)}")
     profile = None
@@ -231,6 +231,8 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
         cfg = EmulationConfig.from_dict({"gpu": gpu, "model": model, **extra,
                                          "profile": profile.essentials() if profile else None})
         cfg.step_coefficients()
+        if cfg.step_model not in ("measured", "roofline"):
+            raise ValueError("--emulate-config step_model must be \"measured\" or \"roofline\"")
         m, g = cfg.specs(str(getattr(args, "kv_cache_dtype", "auto") or "auto"))
         budget = cfg.kv_cache_bytes(m, g, args.gpu_memory_utilization)
     except (ValueError, TypeError) as exc:
@@ -249,7 +251,12 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     elif not given(argv, "--max-model-len"):
         # the model's limit, or what the pool holds when that is less (vLLM refuses a
         # --max-model-len whose KV does not fit; a real deployment lowers it the same way)
-        args.max_model_len = min(m.max_model_len, m.max_sequence_tokens(budget))
+        block = args.block_size if given(argv, "--block-size") else GPU_BLOCK_SIZE
+        tokens = args.max_num_batched_tokens if given(argv, "--max-num-batched-tokens") \
+            else GPU_MAX_NUM_BATCHED_TOKENS
+        # vLLM counts every step that may be in flight (two under async scheduling)
+        args.max_model_len = min(m.max_model_len,
+                                 m.max_sequence_tokens(budget, block, 2 * tokens))
     # the embedded model's own limit is 64K positions; nothing runs it
     args.hf_overrides = {**(args.hf_overrides or {}),
                          "max_position_embeddings": max(args.max_model_len, m.max_model_len)}

@@ -76,10 +76,10 @@ def _load_sources(args: argparse.Namespace) -> list[Trace]:
 def _step_time(args: argparse.Namespace):
     if args.no_ideal:
         return None
+    from mars.emulate.measured import step_model_for
     from mars.emulate.specs import get_gpu, get_model
-    from mars.emulate.step_time import StepTimeModel
 
-    return StepTimeModel(get_model(args.model), get_gpu(args.gpu))
+    return step_model_for(get_model(args.model), get_gpu(args.gpu))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

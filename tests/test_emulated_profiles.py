@@ -1,0 +1,91 @@
+"""Every shipped emulated GPU x model starts with default arguments and serves, through the
+same argument path as ``mars-vllm serve --emulate GPU:MODEL`` (vLLM's own start-up checks,
+its KV cache manager), and the published end-to-end points the docs table shows are what the
+emulation predicts (issue #31)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from mars.emulate.specs import GPUS, MODELS
+
+pytestmark = pytest.mark.engine
+
+
+def _sim(gpu: str, model: str, policy: str = "mars"):
+    from mars.sim.runner import SimConfig, Simulation
+
+    return Simulation(SimConfig(gpu, model, policy, progress=False))
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_profile_starts_and_completes_a_run(gpu, model):
+    """`mars sim run` on each profile: vLLM accepts the context limit derived from the pool
+    the card holds (h100 x qwen3-coder refused to start before: 160,889 tokens against a
+    pool of 160,864) and two sessions complete on the measured (or derived) step model."""
+    from mars.emulate.measured import measured_source
+    from mars.workloads.generator import generate
+
+    sim = _sim(gpu, model)
+    try:
+        eng = sim.engine
+        m = MODELS[model]
+        assert eng.max_model_len <= m.max_model_len and eng.max_model_len % eng.block_size == 0
+        src = measured_source(gpu, model)
+        assert eng.step_model.kind == (f"{src[1]} {gpu}" + (f" (from measured {src[0]})"
+                                                            if src[1] == "derived" else ""))
+        trace = generate("ILR-1", num_tasks=2, rate=0.5, seed=0,
+                         context_limit=eng.max_model_len)
+        res = sim.run(trace, "load", "mars")
+        assert res.summary["tasks"]["completed"] == 2, res.summary
+    finally:
+        sim.close()
+
+
+def test_the_server_starts_on_the_h100_with_default_arguments():
+    """`mars-vllm serve --emulate h100:qwen3-coder-30b-a3b`, as a new user types it."""
+    pytest.importorskip("vllm")
+    from mars.launch import ServerProcess
+
+    srv = ServerProcess(args=["--emulate", "h100:qwen3-coder-30b-a3b", "--no-sidecar"]).start()
+    try:
+        models = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert models[0]["max_model_len"] % 16 == 0
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": models[0]["id"], "prompt": [1, 2, 3], "max_tokens": 4,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert "measured h100" in srv.tail(400)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("key", ["qwen-h100nvl-1024x128", "oss-h100-c4-ttft"])
+def test_published_points_are_predicted_as_documented(key):
+    """Two of the published points (the rest: ``python -m mars.vllm_patches.serving_bench``,
+    a few minutes): the emulation, in virtual time, predicts exactly what the docs table
+    records, for the measured model and the roofline it replaced."""
+    from mars.emulate.published import POINTS
+    from mars.vllm_patches.serving_bench import compare
+
+    p = next(p for p in POINTS if p.key == key)
+    got = compare([p])[key]
+    for sm, documented in p.documented.items():
+        assert got[sm] / p.measured - 1 == pytest.approx(documented, abs=0.002), (sm, got)
+
+
+def test_emulate_config_picks_the_step_model():
+    from mars.vllm_patches.serve import apply_emulation  # noqa: F401  (import check)
+    from mars.vllm_patches.sim_engine import engine_args_for
+
+    args = engine_args_for("h200:qwen3-coder-30b-a3b", "fcfs",
+                           ["--emulate-config", json.dumps({"step_model": "roofline"})])
+    cfg = args.additional_config["mars_emulate"]
+    assert cfg["step_model"] == "roofline"
+    with pytest.raises(SystemExit, match="step_model"):
+        engine_args_for("h200:qwen3-coder-30b-a3b", "fcfs",
+                        ["--emulate-config", json.dumps({"step_model": "vidur"})])
