@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Times both shipped models' operators at their real shapes on a lent GPU (PyTorch only; no
-# vLLM there) and leaves the timings in $OUT. One call of the device tool, e.g.
-#   run(command="bash scripts/device_time_ops.sh", timeout_s=540)
+# vLLM there) over the dense grid the shipped tables use, every attention kernel PyTorch has
+# (the fastest kept, and recorded), the device peaks launched eagerly, and whole decoder
+# layers (the check of the operators' sum); leaves the timings in $OUT. Under 5 minutes on
+# an H100 for both models. One call of the device tool, e.g.
+#   run(command="bash scripts/device_time_ops.sh", timeout_s=420)
+# then pack them (scripts/pack_gpu_tables.py) or fit the roofline to them:
 # then, on any machine: mars emulate fit-ops ops-qwen3-coder-30b-a3b.json (the GPU profile
 # follows the timed device's name)
 # (docs/emulation.md, "Fitting a GPU profile to operator timings"). Each file is written
@@ -13,8 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
     >"$OUT/nvidia-smi.csv" 2>&1 || true
 rc=0
 for m in qwen3-coder-30b-a3b gpt-oss-120b; do
-    PYTHONUNBUFFERED=1 timeout 240 python3 -m mars.emulate.op_timing --model "$m" \
-        --out "$OUT/ops-$m.json" 2>"$OUT/log-$m.txt" || rc=$?
+    PYTHONUNBUFFERED=1 timeout 140 python3 -m mars.emulate.op_timing --model "$m" --dense \
+        --out "$OUT/dense-$m.json" 2>"$OUT/log-$m.txt" || rc=$?
     tail -n 2 "$OUT/log-$m.txt"
 done
 exit $rc

@@ -226,3 +226,18 @@ def test_the_context_limit_is_a_whole_number_of_blocks_the_pool_holds(gpu, model
     # against the pool less its null block
     need = (n // 16 + sliding) * group * page
     assert need <= budget - group * page < need + group * page
+
+
+def test_a_whole_layer_is_checked_against_the_sum_of_its_operators():
+    """The harness now also times whole decoder layers; the tables price the same batch from
+    the operators and say what is left per token (what ``token_layer_s`` stands in for)."""
+    from mars.emulate.table_check import layer_sums
+
+    t = _tables("h100", "qwen3-coder-30b-a3b")
+    ops = t.projections(2048) + t.experts(2048) + t.attention([(2048, 0)])
+    layer = Timing("layer", ops + 2048 * 150e-9, requests=1, new=2048, context=0)
+    (row,) = layer_sums(t, [layer])
+    assert row["operators_s"] == pytest.approx(ops)
+    assert row["unpriced_per_token_s"] == pytest.approx(150e-9)
+    tables = OperatorTables(t.model, t.gpu, [*(x for p in t.points.values() for x in p), layer])
+    assert tables.layers == [layer]  # kept aside, not an operator

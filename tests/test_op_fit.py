@@ -118,7 +118,18 @@ def test_op_timing_on_this_cpu_times_every_operator_and_the_fit_reads_it(tmp_pat
     assert data["format"] == FORMAT and data["dtype_bytes"] == 4
     assert data["model"] == "small-moe" and data["peaks"]["gemm_flops"] > 0
     ops = {r["op"] for r in data["records"]}
-    assert ops == {"projections", "moe", "attention", "logits"}
+    assert ops == {"projections", "moe", "attention", "logits", "layer"}
+    assert data["peaks"]["eager"] is True  # peaks never under graph capture
+    # every attention point records the kernel kept; a chunk over a cache also tried the
+    # flash split (cache + chunk merged by log-sum-exp), on this CPU too
+    kernels = {(r["new"], r["context"]): r["kernel"] for r in data["records"]
+               if r["op"] == "attention"}
+    assert set(kernels.values()) <= {"sdpa", "split"} and all(kernels.values())
+    # the whole layers: every shape of the quick grid (the check of the operators' sum)
+    layers = [r for r in data["records"] if r["op"] == "layer"]
+    assert [(r["requests"], r["new"], r["context"]) for r in layers] == \
+        list(OpGrid.quick().layers)
+    ops = ops - {"layer"}
     g = OpGrid.quick()
     att = [(r["requests"], r["new"], r["context"]) for r in data["records"]
            if r["op"] == "attention"]
@@ -142,6 +153,29 @@ def test_op_timing_on_this_cpu_times_every_operator_and_the_fit_reads_it(tmp_pat
     out.write_text(json.dumps(data))
     assert main(["emulate", "fit-ops", str(out), "--gpu", "measured"]) == 0
     assert "cut short" in capsys.readouterr().err
+
+
+def test_the_split_attention_computes_what_the_masked_one_does(tmp_path):
+    """The flash split the harness times for a chunk over a cache (cache and chunk apart,
+    merged by log-sum-exp) is the same attention as the masked kernel's: a faster time for
+    it is a faster way to the same result."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.bias import causal_lower_right
+
+    from mars.emulate.op_timing import OpTimer, load_model
+
+    cfg = tmp_path / "small-moe.json"
+    cfg.write_text(json.dumps(SMALL_MOE))
+    timer = OpTimer(load_model(str(cfg)), "cpu", "float32", OpGrid.quick())
+    m = timer.model
+    new, ctx, rep = 48, 200, m.num_heads // m.num_kv_heads
+    q = timer._rand(1, m.num_heads, new, m.head_dim) * 50
+    k, v = (timer._rand(1, m.num_kv_heads, ctx + new, m.head_dim) * 50 for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(new, ctx + new), enable_gqa=True)
+    got = timer.split_attention_fn(q, (k, v), ctx, rep)(0)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-4
 
 
 def test_the_expanded_kv_fallback_runs_and_is_recorded(tmp_path):

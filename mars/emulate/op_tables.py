@@ -158,7 +158,12 @@ class OperatorTables:
         self.model, self.gpu = model, gpu
         self.roof = Roofline(model, gpu)
         by_op: dict[str, list[Timing]] = {op: [] for op in OPS}
+        #: whole-layer timings, where the run has them: a check of the operators' sum
+        self.layers: list[Timing] = []
         for t in timings:
+            if t.op == "layer":
+                self.layers.append(t)
+                continue
             if t.op not in by_op:
                 raise ValueError(f"unknown operator {t.op!r} in the timings")
             if not (t.seconds > 0 and math.isfinite(t.seconds)):

@@ -86,6 +86,22 @@ def split_alternate(timings: Sequence[Timing]) -> tuple[list[Timing], list[Timin
     return kept, out
 
 
+def layer_sums(tables: OperatorTables, layers: Iterable[Timing]) -> list[dict]:
+    """Each whole-layer timing against the sum of the operators the tables price for the
+    same batch (projections, experts, attention; the norms, rotary, routing and permutation
+    are in the layer only): what the per-token overhead stands in for."""
+    out = []
+    for t in layers:
+        batch = [(t.new, t.context)] * t.requests
+        tokens = t.new * t.requests
+        ops = tables.projections(tokens) + tables.attention(batch) + (
+            tables.experts(tokens) if tables.model.num_experts else 0.0)
+        out.append({"requests": t.requests, "new": t.new, "context": t.context,
+                    "layer_s": t.seconds, "operators_s": ops,
+                    "unpriced_per_token_s": (t.seconds - ops) / tokens})
+    return out
+
+
 def load(path: str | Path) -> tuple[dict, list[Timing]]:
     doc = json.loads(Path(path).read_text())
     return doc, read_timings(doc)
