@@ -68,3 +68,15 @@ def engine_server(extra_args: list[str] | None = None, **kw):
     from mars.launch import ServerProcess
 
     return ServerProcess(args=[*BASE_ARGS, *(extra_args or [])], **kw)
+
+
+@pytest.fixture(params=["sync", "async"])
+def scheduling(request, monkeypatch):
+    """Run a scheduler test under both flavours vLLM can build: the synchronous class (CPU,
+    the default here) and the async one a GPU user gets (``MarsAsyncScheduler``, driven as
+    vLLM's batch queue drives it). Modules opt in with ``usefixtures("scheduling")``."""
+    pytest.importorskip("vllm")
+    from mars.vllm_patches import offline
+
+    monkeypatch.setattr(offline, "DEFAULT_ASYNC", request.param == "async")
+    return request.param

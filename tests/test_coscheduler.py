@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.usefixtures("scheduling")
 
 from mars.vllm_patches.offline import BLOCK_SIZE, OfflineEngine  # noqa: E402
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.usefixtures("scheduling")
 
 from mars.policy.registry import POLICY_NAMES  # noqa: E402
 from mars.vllm_patches.offline import BLOCK_SIZE, OfflineEngine, synthetic_token  # noqa: E402

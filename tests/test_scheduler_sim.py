@@ -11,9 +11,10 @@ import json
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.usefixtures("scheduling")
 
 from mars.vllm_patches.offline import (  # noqa: E402
-    BLOCK_SIZE, AgentLoop, AgentLoopDriver, OfflineEngine)
+    BLOCK_SIZE, AgentLoop, AgentLoopDriver, OfflineEngine, synthetic_token)
 
 BS = BLOCK_SIZE
 
@@ -176,6 +177,9 @@ def head_of_line(policy: str, budget: int) -> dict:
         t_arrive["long"] = eng.clock()
         eng.add("long", _prompt(1, 48_000), 4, job_id="long", last_round=True)
         eng.step()
+        # under async scheduling the long call's first chunk is still executing when the
+        # short calls arrive (a launched step cannot be revoked); synchronously it is done
+        in_flight = eng.in_flight
         for j in range(8):
             t_arrive[f"s{j}"] = eng.clock()
             eng.add(f"s{j}", _prompt(10 + j, 96), 16, job_id=f"s{j}", last_round=True)
@@ -183,7 +187,8 @@ def head_of_line(policy: str, budget: int) -> dict:
             for rid in eng.step():
                 t_done[rid] = eng.clock()
         lat = {rid: t_done[rid] - t_arrive[rid] for rid in t_arrive}
-        return {"short": sum(lat[f"s{j}"] for j in range(8)) / 8, "long": lat["long"]}
+        return {"short": sum(lat[f"s{j}"] for j in range(8)) / 8, "long": lat["long"],
+                "in_flight": in_flight}
     finally:
         eng.close()
 
@@ -196,7 +201,13 @@ def test_short_calls_are_not_stuck_behind_a_long_prefill(budget):
     decodes at least at half rate: within one budget-sized step plus twice its own work
     (a prefill step and 16 decode steps of the 8 calls), where fcfs makes it wait for the
     whole 48K-token prefill. 2048 is vLLM's default step budget for a CPU server, 8192 for an
-    H100."""
+    H100. Under async scheduling add the step already executing when they arrive; and the
+    bound holds there only because a bounded chunk in flight is charged when it is
+    scheduled (``Coordinator.reserve``): without it the long call gets a second whole chunk
+    before the first is paid for (at 8192 tokens the short calls then take 0.58 s against a
+    0.54 s bound; 0.42 s with it); measured between schedule() calls instead of at each
+    step's output, a step's time is charged to the wrong step and they take 1.06 s, as long
+    as under fcfs."""
     from mars.policy.mlfq import WindowedMLFQ
     from mars.vllm_patches.offline import linear_step_time
 
@@ -204,7 +215,8 @@ def test_short_calls_are_not_stuck_behind_a_long_prefill(budget):
         return linear_step_time(type("Out", (), {"total_num_scheduled_tokens": tokens}))
 
     fcfs, mars = head_of_line("fcfs", budget), head_of_line("mars", budget)
-    bound = step(budget) + 2 * (step(8 * 96) + 16 * step(8))
+    # plus the step in flight when they arrive (async scheduling: one, else none)
+    bound = (1 + mars["in_flight"]) * step(budget) + 2 * (step(8 * 96) + 16 * step(8))
     assert mars["short"] <= bound < fcfs["short"], (fcfs, mars, bound)
     # the long call is never starved: it finishes within its promotion bound of the time
     # fcfs needs (it only gives way to the short calls' small work)
@@ -245,3 +257,35 @@ def test_long_prompt_behind_moe_decodes_is_not_starved(model):
 
     fcfs, mars = first_token_s("fcfs"), first_token_s("mars")
     assert mars <= 2 * fcfs, (fcfs, mars)
+
+
+def test_the_offline_engine_runs_the_class_vllm_builds(scheduling):
+    """Every test of this module runs twice: on the synchronous classes and on the async
+    ones a GPU user gets (vLLM's default there), driven as vLLM's batch queue drives them --
+    a step is scheduled while the one before it executes, so running requests carry output
+    placeholders and the scheduler sees each step's output one step late."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from mars.vllm_patches.scheduler import MarsAsyncScheduler, MarsScheduler
+
+    asy = scheduling == "async"
+    eng = OfflineEngine("mars", num_blocks=256)
+    stock = OfflineEngine(None, num_blocks=256)
+    try:
+        assert type(eng.sched) is (MarsAsyncScheduler if asy else MarsScheduler)
+        assert type(stock.sched) is (AsyncScheduler if asy else Scheduler)
+        for e in (eng, stock):
+            e.add("a", _prompt(1, 40), 6, job_id="a", last_round=True)
+            placeholders = []
+            while e.live:
+                e.step()
+                if "a" in e.sched.requests:
+                    placeholders.append(e.sched.requests["a"].num_output_placeholders)
+            # between steps one batch is still executing: its token is a placeholder
+            assert max(placeholders) == (1 if asy else 0), placeholders
+            assert e.done["a"][40:] == [synthetic_token(type("R", (), {
+                "request_id": "a", "num_tokens": 40 + k})()) for k in range(6)]
+    finally:
+        eng.close()
+        stock.close()

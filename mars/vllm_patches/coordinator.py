@@ -283,11 +283,38 @@ class Coordinator:
         return min(n, bs - computed % bs)
 
     def on_step(self, seconds: float) -> None:
-        """The step that just ended took ``seconds``: settle the bounded prefills' credit
-        (the time a chunk added is charged; a step without one earns its share)."""
+        """The step scheduled last ended and took ``seconds`` (synchronous scheduling: it
+        ends before the next is scheduled): settle the bounded prefills' credit."""
+        self.settle(self.take_bounded(), seconds)
+
+    def take_bounded(self) -> bool | None:
+        """Whether the step just scheduled ran a bounded prefill (None: none was ranked
+        below a better call), forgotten here. Under async scheduling the step is settled
+        when its output arrives, after the next one has been scheduled: the scheduler keeps
+        this with the step until then."""
         ran, self._bounded_step = self._bounded_step, None
+        return ran
+
+    def reserve(self, ran: bool | None, prefill_tokens: int) -> float:
+        """Async scheduling: a step with a bounded chunk was just scheduled and the next one
+        will be scheduled before it ends. Charge its expected added time now (its prefill
+        tokens at the measured prefill rate), so the next step sees the chunk in flight --
+        else every bounded prefill gets a second chunk before the first is paid for. The
+        charge is returned, and undone when :meth:`settle` charges the measured time."""
+        rate = self._stats.prefill_tokens_per_s
+        if not ran or rate is None or prefill_tokens <= 0:
+            return 0.0
+        charge = prefill_tokens / rate
+        self._credit -= charge
+        return charge
+
+    def settle(self, ran: bool | None, seconds: float, reserved: float = 0.0) -> None:
+        """A step that took ``seconds`` ended: charge the time a bounded chunk added to the
+        bounded prefills' credit (less what :meth:`reserve` charged for it already), or
+        credit them their share of a step without one."""
         if ran is None:
             return
+        self._credit += reserved
         if ran:  # a bound applies only once a decode step has been measured
             self._credit -= max(0.0, seconds - self._stats.decode_step_s)
         else:

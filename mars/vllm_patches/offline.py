@@ -17,6 +17,7 @@ measures the real cost of the hooks).
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import time
@@ -40,8 +41,11 @@ def tiny_model_dir() -> str:
 
 def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=None,
                       max_num_batched_tokens: int = 2048, block_size: int = BLOCK_SIZE,
-                      mars: dict[str, Any] | None = None, max_model_len: int = 16384):
-    """A ``VllmConfig`` as ``mars-vllm serve`` makes one; ``policy=None``: stock vLLM."""
+                      mars: dict[str, Any] | None = None, max_model_len: int = 16384,
+                      async_scheduling: bool = False):
+    """A ``VllmConfig`` as ``mars-vllm serve`` makes one; ``policy=None``: stock vLLM.
+    ``async_scheduling``: as vLLM sets it on a GPU (its default there), so the scheduler
+    built is ``MarsAsyncScheduler`` (stock: ``AsyncScheduler``)."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     mc = model_config or ModelConfig(model=tiny_model_dir(), max_model_len=max_model_len,
@@ -49,14 +53,18 @@ def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=Non
     sc = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=mc.max_model_len, enable_chunked_prefill=True,
-        is_encoder_decoder=False, async_scheduling=False)
+        is_encoder_decoder=False, async_scheduling=async_scheduling)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     extra: dict[str, Any] = {}
     if policy is not None:
         extra["mars"] = {"policy": policy, "events_endpoint": None, "events_file": None,
                          "tick_s": 0.05, "policy_config": {}, **(mars or {})}
-    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                      additional_config=extra)
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                    additional_config=extra)
+    # vLLM's CPU platform turns async scheduling off (platforms/cpu.py); a GPU platform keeps
+    # it (its default there): the offline engine has no device, so it decides as a GPU does
+    vc.scheduler_config.async_scheduling = async_scheduling
+    return vc
 
 
 def build_scheduler(vllm_config, num_blocks: int, *, log_stats: bool = True):
@@ -86,6 +94,10 @@ def build_scheduler(vllm_config, num_blocks: int, *, log_stats: bool = True):
                   block_size=block_size, hash_block_size=hash_block_size,
                   log_stats=log_stats)
     if "mars" not in (vllm_config.additional_config or {}):
+        if vllm_config.scheduler_config.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            return AsyncScheduler(**kwargs), hash_block_size
         return Scheduler(**kwargs), hash_block_size
     from mars.vllm_patches.scheduler import make_scheduler
 
@@ -101,11 +113,12 @@ def block_hasher(vllm_config, hash_block_size: int):
     return get_request_block_hasher(hash_block_size, fn)
 
 
-def synthetic_token(request) -> int:
-    """The "sampled" token: a deterministic function of the sequence so far, so every
-    policy produces exactly the same outputs for the same requests."""
-    return _VOCAB_LO + (request.num_tokens * 2654435761 + len(request.request_id)) \
-        % (_VOCAB_HI - _VOCAB_LO)
+def synthetic_token(request, position: int | None = None) -> int:
+    """The "sampled" token: a deterministic function of the request and the position it is
+    sampled at (default: after the whole sequence so far), so every policy, sync or async,
+    produces exactly the same outputs for the same requests."""
+    pos = request.num_tokens if position is None else position
+    return _VOCAB_LO + (pos * 2654435761 + len(request.request_id)) % (_VOCAB_HI - _VOCAB_LO)
 
 
 def linear_step_time(out, fixed_s: float = 0.005, per_token_s: float = 2e-5) -> float:
@@ -147,24 +160,39 @@ def kv_account(sched, pins=None) -> KvAccount:
                      used=len(used), pinned=len(pinned))
 
 
+#: what the offline engines of a test module run when not told (tests/conftest.py runs the
+#: scheduler modules once each way); the served engine follows vLLM's own decision
+DEFAULT_ASYNC = False
+
+
 class OfflineEngine:
-    """One scheduler; requests are added by the caller; ``step()`` runs one engine step."""
+    """One scheduler; requests are added by the caller; ``step()`` runs one engine step.
+
+    ``async_scheduling``: the scheduler is vLLM's async flavour (``MarsAsyncScheduler``, or
+    stock ``AsyncScheduler``) and :meth:`step` drives it as vLLM's
+    ``EngineCore.step_with_batch_queue`` does with a queue of two batches: a step is
+    scheduled while the one before it is still executing, and its outputs reach the
+    scheduler only after that (running requests carry output placeholders meanwhile; a
+    request can finish, be aborted or preempted with a step in flight)."""
 
     def __init__(self, policy: str | None, *, num_blocks: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, block_size: int = BLOCK_SIZE,
                  model_config=None, log_stats: bool = True, wall_clock: bool = False,
                  step_time: Callable[[Any], float] | None = None,
-                 mars: dict[str, Any] | None = None, max_model_len: int = 16384) -> None:
+                 mars: dict[str, Any] | None = None, max_model_len: int = 16384,
+                 async_scheduling: bool | None = None) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
 
         self._Request, self._SP, self._MRO = Request, SamplingParams, ModelRunnerOutput
         self.policy = policy
+        self.async_scheduling = DEFAULT_ASYNC if async_scheduling is None \
+            else async_scheduling
         self.vllm_config = build_vllm_config(
             policy, max_num_seqs, model_config=model_config,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, mars=mars,
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, async_scheduling=self.async_scheduling)
         self.sched, hbs = build_scheduler(self.vllm_config, num_blocks, log_stats=log_stats)
         self._hasher = block_hasher(self.vllm_config, hbs)
         self.clock: Callable[[], float]
@@ -181,6 +209,10 @@ class OfflineEngine:
         self.steps = 0
         #: tokens the latest step scheduled
         self.last_scheduled_tokens = 0
+        #: async: batches scheduled and "executing", newest first, with their outputs
+        #: (decided when scheduled, as the GPU computes them then); vLLM's batch_queue_size
+        self._batch_queue: collections.deque = collections.deque()
+        self.batch_queue_size = 2 if self.async_scheduling else 1
 
     @property
     def model_config(self):
@@ -207,7 +239,11 @@ class OfflineEngine:
     def model_output(self, out):
         live = self.live
         req_ids = list(out.num_scheduled_tokens)
-        sampled = [[] if live[rid].is_prefill_chunk else [synthetic_token(live[rid])]
+        # the token follows everything computed once this step ran: the whole sequence in a
+        # synchronous step; under async scheduling also the tokens of the step still in
+        # flight (their placeholders), which the request's num_tokens does not count yet
+        sampled = [[] if live[rid].is_prefill_chunk
+                   else [synthetic_token(live[rid], live[rid].num_computed_tokens)]
                    for rid in req_ids]
         return self._MRO(req_ids=req_ids,
                          req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -215,6 +251,8 @@ class OfflineEngine:
 
     def step(self) -> list[str]:
         """One engine step; returns the ids of the requests that finished in it."""
+        if self.async_scheduling:
+            return self._step_with_batch_queue()
         out = self.sched.schedule()
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
         eco = self.sched.update_from_output(out, self.model_output(out))
@@ -222,6 +260,44 @@ class OfflineEngine:
             self.clock.advance(self._step_time(out))
         self.steps += 1
         return self.collect_finished(eco)
+
+    def _step_with_batch_queue(self) -> list[str]:
+        """vLLM's ``EngineCore.step_with_batch_queue`` (vllm/v1/engine/core.py), with the
+        model's output known when the batch is scheduled: schedule a batch if the queue has
+        room and return at once while it has; otherwise finish the oldest batch (its step
+        time passes) and hand its output to the scheduler."""
+        q = self._batch_queue
+        sched = self.sched
+        if sched.has_requests():
+            out = sched.schedule()
+            self.last_scheduled_tokens = out.total_num_scheduled_tokens
+            q.appendleft((out, self.model_output(out)))
+            executed = out.total_num_scheduled_tokens > 0
+            if len(q) < self.batch_queue_size and (executed or sched.has_requests()):
+                return []
+        elif not q:
+            return []
+        out, mo = q.pop()
+        if isinstance(self.clock, VirtualClock):
+            self.clock.advance(self._step_time(out))
+        eco = sched.update_from_output(out, mo)
+        self.steps += 1
+        return self.collect_finished(eco)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches scheduled whose outputs the scheduler has not had yet (async only)."""
+        return len(self._batch_queue)
+
+    def abort(self, rids: Iterable[str]) -> None:
+        """Abort requests between steps, as the EngineCore does (a batch may still hold
+        them: its outputs for them are then stale and dropped by the scheduler)."""
+        from vllm.v1.request import RequestStatus
+
+        rids = [r for r in rids if r in self.live]
+        self.sched.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+        for r in rids:
+            self.live.pop(r, None)
 
     def collect_finished(self, eco) -> list[str]:
         """Record the requests an ``update_from_output`` result finished; their ids."""
@@ -236,7 +312,7 @@ class OfflineEngine:
 
     def run_until_idle(self, max_steps: int = 20_000) -> None:
         start = self.steps
-        while self.live and self.steps - start < max_steps:
+        while (self.live or self._batch_queue) and self.steps - start < max_steps:
             self.step()
         if self.live:
             raise AssertionError(f"{len(self.live)} requests never finished "

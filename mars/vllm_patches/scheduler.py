@@ -22,6 +22,7 @@ hooks run, so behaviour is exactly stock vLLM.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -127,6 +128,15 @@ class MarsSchedulerMixin:
         self._mars_blocks_per_running = 2 + -(-self.num_lookahead_tokens // self.block_size)
         # the previous step, for the prefill-rate measurement: (time, tokens, requests)
         self._mars_last_step: tuple[float, int, int] | None = None
+        #: async scheduling: vLLM schedules a step while the one before it still executes,
+        #: so the time between two schedule() calls is not the duration of the step
+        #: scheduled first. Steps are measured when their output arrives instead: scheduled
+        #: steps in order, each (output, time scheduled, tokens, requests, bounded prefill,
+        #: credit reserved for it)
+        self._mars_async = isinstance(self, AsyncScheduler)
+        self._mars_in_flight: collections.deque = collections.deque()
+        #: when the last step's output arrived (a step starts executing no earlier)
+        self._mars_prev_done = 0.0
         self._mars_idle_published = False
         #: ``--mars-step-log``: every step's batch and wall time (mars.emulate.step_log)
         self._mars_step_log = None
@@ -206,9 +216,31 @@ class MarsSchedulerMixin:
             self.mars_coord.on_step(now - ts)
 
     # ------------------------------------------------------------ step hooks
+    def _mars_step_done(self, out, now: float) -> None:
+        """Async scheduling: the step ``out`` just ended (its output arrived). It started
+        when it was scheduled or when the step before it ended, whichever was later (one
+        device runs one step at a time): that span is its duration, for the prefill rate,
+        the decode step and the bounded prefills' credit."""
+        q = self._mars_in_flight
+        while q and q[0][0] is not out:
+            q.popleft()  # a step whose output never came (an engine reset): not measured
+        if not q:
+            return
+        _, ts, tokens, reqs, bounded, reserved = q.popleft()
+        start = max(ts, self._mars_prev_done)
+        self._mars_prev_done = now
+        if now > start:
+            sample = self.mars_step_stats.observe(tokens, reqs, now - start)
+            if sample is not None:
+                self.mars_cosched.retention.observe_prefill(*sample)
+            self.mars_coord.settle(bounded, now - start, reserved)
+        else:
+            self.mars_coord.settle(bounded, 0.0, reserved)
+
     def schedule(self, *args, **kwargs):
         now = self.mars_clock()
-        self._mars_measure_step(now)
+        if not self._mars_async:
+            self._mars_measure_step(now)
         log = self._mars_step_log
         if log is not None:
             log.end()
@@ -236,8 +268,16 @@ class MarsSchedulerMixin:
             self.mars_counters["stall_released"] += 1
         if log is not None and n_sched:
             log.begin(now, scheduled_batch(out))
-        self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched) if n_sched \
-            else None
+        if self._mars_async:
+            bounded = coord.take_bounded()
+            if n_sched:
+                tokens = out.total_num_scheduled_tokens
+                self._mars_in_flight.append(
+                    (out, now, tokens, n_sched, bounded,
+                     coord.reserve(bounded, tokens - n_sched)))
+        else:
+            self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched) \
+                if n_sched else None
         if now >= self._mars_next_snapshot or (not n_sched and not self._mars_idle_published):
             # after scheduling: a request that just arrived at an idle engine is running now,
             # not "waiting with nothing running" (which the sidecar reads as a queue); and
@@ -380,13 +420,15 @@ class MarsSchedulerMixin:
             self._mars_idle_published = True
         return result
 
-    def update_from_output(self, *args, **kwargs):
+    def update_from_output(self, scheduler_output, *args, **kwargs):
+        if self._mars_async:
+            self._mars_step_done(scheduler_output, self.mars_clock())
         log = self._mars_step_log
         if log is None:
-            return super().update_from_output(*args, **kwargs)
+            return super().update_from_output(scheduler_output, *args, **kwargs)
         self._mars_updating = True
         try:
-            out = super().update_from_output(*args, **kwargs)
+            out = super().update_from_output(scheduler_output, *args, **kwargs)
         finally:
             self._mars_updating = False
         if not self.requests:
