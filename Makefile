@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (see README): `make demo` and `make test`.
-.PHONY: demo test setup setup-agents unit
+.PHONY: demo test setup setup-agents unit check-cuda
 
 setup:
 	@bash scripts/setup.sh
@@ -15,3 +15,7 @@ test: setup setup-agents
 
 unit: setup
 	.venv/bin/python -m pytest -q -m "not engine" --ignore=tests/agents
+
+# resolve the CUDA install with pip --dry-run (network, ~3 min; not part of `make test`)
+check-cuda:
+	bash scripts/check_cuda_install.sh
