@@ -42,7 +42,7 @@ def tiny_model_dir() -> str:
 def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=None,
                       max_num_batched_tokens: int = 2048, block_size: int = BLOCK_SIZE,
                       mars: dict[str, Any] | None = None, max_model_len: int = 16384,
-                      async_scheduling: bool = False):
+                      async_scheduling: bool = False, scheduling_policy: str = "fcfs"):
     """A ``VllmConfig`` as ``mars-vllm serve`` makes one; ``policy=None``: stock vLLM.
     ``async_scheduling``: as vLLM sets it on a GPU (its default there), so the scheduler
     built is ``MarsAsyncScheduler`` (stock: ``AsyncScheduler``)."""
@@ -53,7 +53,8 @@ def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=Non
     sc = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=mc.max_model_len, enable_chunked_prefill=True,
-        is_encoder_decoder=False, async_scheduling=async_scheduling)
+        is_encoder_decoder=False, async_scheduling=async_scheduling,
+        policy=scheduling_policy)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     extra: dict[str, Any] = {}
     if policy is not None:
@@ -180,7 +181,8 @@ class OfflineEngine:
                  model_config=None, log_stats: bool = True, wall_clock: bool = False,
                  step_time: Callable[[Any], float] | None = None,
                  mars: dict[str, Any] | None = None, max_model_len: int = 16384,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
@@ -192,7 +194,8 @@ class OfflineEngine:
         self.vllm_config = build_vllm_config(
             policy, max_num_seqs, model_config=model_config,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, mars=mars,
-            max_model_len=max_model_len, async_scheduling=self.async_scheduling)
+            max_model_len=max_model_len, async_scheduling=self.async_scheduling,
+            scheduling_policy=scheduling_policy)
         self.sched, hbs = build_scheduler(self.vllm_config, num_blocks, log_stats=log_stats)
         self._hasher = block_hasher(self.vllm_config, hbs)
         self.clock: Callable[[], float]
@@ -222,13 +225,15 @@ class OfflineEngine:
     def is_mars(self) -> bool:
         return self.policy is not None
 
-    def make_request(self, rid: str, prompt: list[int], max_tokens: int, **xargs):
+    def make_request(self, rid: str, prompt: list[int], max_tokens: int, *,
+                     priority: int = 0, **xargs):
         sp = self._SP(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs or None)
         return self._Request(rid, prompt, sp, None, block_hasher=self._hasher,
-                             arrival_time=self.clock())
+                             arrival_time=self.clock(), priority=priority)
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, **xargs):
-        req = self.make_request(rid, prompt, max_tokens, **xargs)
+    def add(self, rid: str, prompt: list[int], max_tokens: int, *, priority: int = 0,
+            **xargs):
+        req = self.make_request(rid, prompt, max_tokens, priority=priority, **xargs)
         self.add_request(req)
         return req
 

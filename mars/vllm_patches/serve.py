@@ -169,6 +169,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         args.shutdown_timeout = DEFAULT_DRAIN_S
 
     _check_mars_config(args.policy, args.mars_config)
+    _check_scheduling_policy(args.policy, getattr(args, "scheduling_policy", "fcfs"))
     extra = args.additional_config if isinstance(getattr(args, "additional_config", None), dict) else {}
     endpoint = args.mars_events_endpoint or default_events_endpoint(args.port)
     extra = dict(extra)
@@ -286,6 +287,21 @@ def _refuse_with_profile(argv: list[str], extra: dict) -> None:
                              "pool the profile was measured with")
     if "reserve_gib" in extra:
         raise ValueError("--emulate-config reserve_gib does not apply to a device profile")
+
+
+def _check_scheduling_policy(policy: str, scheduling_policy) -> None:
+    """vLLM's ``--scheduling-policy priority`` keeps the waiting queue as a heap ordered by
+    (request priority, arrival). Every policy but ``fcfs`` orders or scans the waiting queue
+    itself (the coordinator sorts it in place; the co-scheduler reads its demand), which the
+    heap does not support: the EngineCore died at its first request. Refused here, with the
+    way to get priorities, rather than as an engine death."""
+    if str(scheduling_policy or "fcfs") == "fcfs" or policy == "fcfs":
+        return
+    raise SystemExit(
+        f"mars-vllm: --scheduling-policy {scheduling_policy} is not supported with --policy "
+        f"{policy}: its scheduler orders the waiting queue itself (by session, level and "
+        "waiting time), which vLLM's priority queue does not allow. Use --policy fcfs to "
+        "serve by request priority (stock vLLM), or drop --scheduling-policy.")
 
 
 def _check_mars_config(policy: str, overrides: dict | None) -> None:
