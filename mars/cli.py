@@ -104,6 +104,12 @@ def _register_optional(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["openhands"]:
+        # every option after it is the agent runner's own (it runs in .venv-agents)
+        from mars.openhands_cli import forward
+
+        return forward(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
