@@ -1,5 +1,5 @@
 """The held-out workloads (experiments/heldout_workloads.py): valid traces of the shapes the
-docs describe, so the table in the README is made from what it says it is made from."""
+docs describe, so the table in docs/results.md is made from what it says it is made from."""
 
 from __future__ import annotations
 
