@@ -241,3 +241,22 @@ def test_a_whole_layer_is_checked_against_the_sum_of_its_operators():
     assert row["unpriced_per_token_s"] == pytest.approx(150e-9)
     tables = OperatorTables(t.model, t.gpu, [*(x for p in t.points.values() for x in p), layer])
     assert tables.layers == [layer]  # kept aside, not an operator
+
+
+@pytest.mark.parametrize("gpu", MEASURED)
+@pytest.mark.parametrize("model", MODELS)
+def test_attention_is_monotone_along_both_axes_of_each_table(gpu, model):
+    """Isotonic regression makes each row monotone; rows are joined log-log linearly, which
+    keeps the order only if neighbouring rows are ordered. Swept densely here, so that a
+    re-timed table whose rows cross is caught rather than priced backwards."""
+    t = _tables(gpu, model)
+    batches = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 256]
+    contexts = [600, 900, 1500, 3000, 5000, 7000, 10_000, 20_000, 40_000, 70_000, 100_000]
+    chunks = [2, 16, 100, 300, 700, 1500, 3000, 5000, 8000]
+    for grid, f in ((batches, t.decode), (chunks, t.chunk)):
+        for c in contexts:
+            vals = [f(x, c) for x in grid]
+            assert all(b >= a * (1 - 1e-9) for a, b in zip(vals, vals[1:])), (f, c, vals)
+        for x in grid:
+            vals = [f(x, c) for c in contexts]
+            assert all(b >= a * (1 - 1e-9) for a, b in zip(vals, vals[1:])), (f, x, vals)

@@ -289,3 +289,34 @@ def test_the_offline_engine_runs_the_class_vllm_builds(scheduling):
     finally:
         eng.close()
         stock.close()
+
+
+def test_every_step_is_measured_when_its_output_arrives(scheduling):
+    """Under async scheduling a step is measured when its output arrives. Empty batches
+    (every running call's last token already in flight) reach the scheduler too and must
+    not knock the queue of scheduled steps out of step: every non-empty step is measured
+    once (an empty one used to drop the next real step, and every later output its
+    successor's, until the engine went idle)."""
+    eng = OfflineEngine("mars", num_blocks=256, max_num_seqs=1)
+    try:
+        sched, scheduled = eng.sched, []
+        orig = sched.schedule
+
+        def schedule(*a, **k):
+            out = orig(*a, **k)
+            scheduled.append(out.total_num_scheduled_tokens)
+            return out
+
+        sched.schedule = schedule
+        for j in range(3):
+            eng.add(f"r{j}", _prompt(40 + j, 48), 5, job_id=f"r{j}", last_round=True)
+        eng.run_until_idle()
+        nonempty = sum(1 for t in scheduled if t)
+        assert sched.mars_step_stats.decode_step_s is not None
+        if scheduling == "async":
+            assert 0 in scheduled  # the case this is about happened
+            assert sched._mars_steps_measured == nonempty and not sched._mars_in_flight
+        else:
+            assert sched._mars_steps_measured == 0  # measured between schedule() calls
+    finally:
+        eng.close()

@@ -461,7 +461,7 @@ class OpTimer:
         if new > 1 and context > 0 and requests == 1 \
                 and kv_bytes * rep <= MAX_EXPANDED_KV_BYTES:
             try:
-                t = self._split_attention(q, kvs[0], context, rep if gqa else 1)
+                t = self._split_attention(q, kvs, context, rep if gqa else 1)
                 if best is None or t < best:
                     best, self.last_kernel = t, "split"
             except (RuntimeError, NotImplementedError, TypeError) as exc:
@@ -481,8 +481,11 @@ class OpTimer:
                 ("cudnn", sdpa_kernel([SDPBackend.CUDNN_ATTENTION])),
                 ("efficient", sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]))]
 
-    def _split_attention(self, q, kv, context: int, rep: int) -> float:
-        return self._time(self.split_attention_fn(q, kv, context, rep), 1)
+    def _split_attention(self, q, kvs: list, context: int, rep: int) -> float:
+        """The split, timed over rotated copies as the other kernels are (each call reads
+        K/V no earlier call left in the cache); the expanded copies are made per copy."""
+        fns = [self.split_attention_fn(q, kv, context, rep) for kv in kvs]
+        return self._time(lambda i: fns[i % len(fns)](i), len(fns))
 
     def split_attention_fn(self, q, kv, context: int, rep: int):
         """One chunk over ``context`` cached keys as flash kernels compute it: the cached

@@ -1,4 +1,8 @@
-"""Published end-to-end measurements the emulated GPU is checked against (never fitted to).
+"""Published end-to-end measurements the emulated GPU is checked against.
+
+Four of them also set the measured step-time model's three values the operator timings cannot
+(its step overhead, per-token cost and MXFP4 speed; :data:`TAKEN`,
+``mars.vllm_patches.serving_bench.fit``): those are marked and left out of the error summary.
 
 Each point is a number someone measured with vLLM's own benchmark (``vllm bench serve`` or
 ``vllm bench throughput``) on a real H100 or H200, one GPU, with a stated set-up. The
@@ -56,6 +60,15 @@ class Point:
     def emulate(self) -> str:
         return f"{self.gpu}:{self.model}"
 
+    @property
+    def taken(self) -> bool:
+        """Whether the measured model's overheads were taken from this point (not a check)."""
+        return self.key in TAKEN
+
+
+#: the points the measured model's step overhead, per-token cost and MXFP4 speed come from
+TAKEN = frozenset({"qwen-h200-c1-tpot", "qwen-h100nvl-4096x8", "oss-h100-c4-tpot",
+                   "oss-h100-sharegpt-itl"})
 
 _Q, _O = "qwen3-coder-30b-a3b", "gpt-oss-120b"
 _PR23151 = "vllm-project/vllm PR #23151 (benchmark output, untuned fused_moe configs)"

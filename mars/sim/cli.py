@@ -112,7 +112,9 @@ def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
             "gpu": args.gpu, "model": args.model, "policy": IDEAL_POLICY,
             # the step-time model the isolated runs were timed with (measured tables change
             # when re-timed; a profile's roofline is keyed by its digest below)
-            **({} if args.profile else {"step_model": step_model_stamp(args.gpu, args.model)}),
+            **({} if args.profile else {"step_model": step_model_stamp(
+                args.gpu, args.model,
+                "roofline" if '"roofline"' in (args.engine_args or "") else "measured")}),
             **({"profile_sha256": args.profile_sha256} if args.profile else {}),
             "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
             "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed,

@@ -276,15 +276,19 @@ class OfflineEngine:
         if sched.has_requests():
             out = sched.schedule()
             self.last_scheduled_tokens = out.total_num_scheduled_tokens
-            q.appendleft((out, self.model_output(out)))
             executed = out.total_num_scheduled_tokens > 0
+            # the step's output and time are what the device makes of the batch as it was
+            # scheduled (the next schedule() moves the requests on); an empty batch is not
+            # executed (the worker returns at once)
+            q.appendleft((out, self.model_output(out),
+                          self._step_time(out) if executed else 0.0))
             if len(q) < self.batch_queue_size and (executed or sched.has_requests()):
                 return []
         elif not q:
             return []
-        out, mo = q.pop()
+        out, mo, dt = q.pop()
         if isinstance(self.clock, VirtualClock):
-            self.clock.advance(self._step_time(out))
+            self.clock.advance(dt)
         eco = sched.update_from_output(out, mo)
         self.steps += 1
         return self.collect_finished(eco)

@@ -137,6 +137,8 @@ class MarsSchedulerMixin:
         self._mars_in_flight: collections.deque = collections.deque()
         #: when the last step's output arrived (a step starts executing no earlier)
         self._mars_prev_done = 0.0
+        #: async: steps measured at their output (every non-empty step, tests check)
+        self._mars_steps_measured = 0
         self._mars_idle_published = False
         #: ``--mars-step-log``: every step's batch and wall time (mars.emulate.step_log)
         self._mars_step_log = None
@@ -222,11 +224,12 @@ class MarsSchedulerMixin:
         device runs one step at a time): that span is its duration, for the prefill rate,
         the decode step and the bounded prefills' credit."""
         q = self._mars_in_flight
-        while q and q[0][0] is not out:
+        if not any(e[0] is out for e in q):
+            return  # an empty step (nothing scheduled): not queued, nothing to measure
+        while q[0][0] is not out:
             q.popleft()  # a step whose output never came (an engine reset): not measured
-        if not q:
-            return
         _, ts, tokens, reqs, bounded, reserved = q.popleft()
+        self._mars_steps_measured += 1
         start = max(ts, self._mars_prev_done)
         self._mars_prev_done = now
         if now > start:

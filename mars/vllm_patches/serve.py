@@ -255,7 +255,9 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
         block = args.block_size if given(argv, "--block-size") else GPU_BLOCK_SIZE
         tokens = args.max_num_batched_tokens if given(argv, "--max-num-batched-tokens") \
             else GPU_MAX_NUM_BATCHED_TOKENS
-        # vLLM counts every step that may be in flight (two under async scheduling)
+        # the in-flight tokens a sliding-window group reserves, as the real GPU counts them
+        # (two steps under async scheduling, its default; conservative for the emulated
+        # engine, which schedules synchronously for now)
         args.max_model_len = min(m.max_model_len,
                                  m.max_sequence_tokens(budget, block, 2 * tokens))
     # the embedded model's own limit is 64K positions; nothing runs it

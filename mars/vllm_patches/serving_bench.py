@@ -141,15 +141,17 @@ def table(preds: dict[str, dict[str, float]], points: Sequence[Point] = POINTS) 
             cells.append("–" if v is None else f"{v:,.4g} {unit}")
             cells.append("–" if v is None else f"{v / p.measured - 1:+.1%}")
         derived = " (derived)" if p.gpu.endswith("-nvl") else ""
-        rows.append(f"| `{p.key}` | {p.gpu}{derived} | {p.setup} | {p.measured:,.4g} {unit} | "
+        key = f"`{p.key}`" + (" *(taken)*" if p.taken else "")
+        rows.append(f"| {key} | {p.gpu}{derived} | {p.setup} | {p.measured:,.4g} {unit} | "
                     + " | ".join(cells) + f" | {p.source} |")
     errs = {sm: sorted(abs(preds[p.key][sm] / p.measured - 1) for p in points
-                       if sm in preds[p.key]) for sm in STEP_MODELS}
+                       if sm in preds[p.key] and not p.taken) for sm in STEP_MODELS}
     rows.append("")
     for sm, e in errs.items():
         if e:
-            rows.append(f"{sm}: median |error| {statistics.median(e):.1%}, worst {e[-1]:.1%}, "
-                        f"{sum(x > 0.30 for x in e)} of {len(e)} points over 30 %")
+            rows.append(f"{sm}: over the {len(e)} points not taken: median |error| "
+                        f"{statistics.median(e):.1%}, worst {e[-1]:.1%}, "
+                        f"{sum(x > 0.30 for x in e)} over 30 %")
     return "\n".join(rows)
 
 
