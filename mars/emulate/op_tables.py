@@ -37,10 +37,10 @@ import bisect
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from mars.emulate.interp import LogCurve, log_lerp
+from mars.emulate.op_timing import OpTiming
 from mars.emulate.specs import GpuSpec, ModelSpec
 from mars.emulate.step_time import StepCoefficients
 
@@ -107,21 +107,15 @@ class Roofline:
                               kv * per_token / self.bw)
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """One measured point (a record of a ``mars-op-timings/1`` file)."""
+#: one measured point: the harness's own record type (``mars-op-timings/1``)
+Timing = OpTiming
 
-    op: str
-    seconds: float
-    tokens: int = 0
-    requests: int = 0
-    new: int = 0
-    context: int = 0
 
-    @classmethod
-    def from_record(cls, r: dict[str, Any]) -> "Timing":
-        return cls(str(r["op"]), float(r["seconds"]), int(r.get("tokens", 0)),
-                   int(r.get("requests", 0)), int(r.get("new", 0)), int(r.get("context", 0)))
+
+def timing_from_record(r: dict[str, Any]) -> OpTiming:
+    """A record of a timing file or a packaged table (fields beyond the sizes ignored)."""
+    return OpTiming(str(r["op"]), float(r["seconds"]), int(r.get("tokens", 0)),
+                    int(r.get("requests", 0)), int(r.get("new", 0)), int(r.get("context", 0)))
 
 
 class _Rows:
@@ -291,6 +285,6 @@ def read_timings(data: dict[str, Any]) -> list[Timing]:
     if not isinstance(recs, list) or not recs:
         raise ValueError("timings have no records")
     try:
-        return [Timing.from_record(r) for r in recs]
+        return [timing_from_record(r) for r in recs]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"bad timing record: {exc}") from None
