@@ -4,10 +4,11 @@
 # (the fastest kept, and recorded), the device peaks launched eagerly, and whole decoder
 # layers (the check of the operators' sum); leaves the timings in $OUT. Expected under 5
 # minutes on an H100 for both models (the dense grid took 27-35 s per model with one attention
-# kernel; with every kernel and the layers it has not run yet: each model is capped at 140 s). One call of the device tool, e.g.
+# kernel; with every kernel and the layers it has not run yet: each model is capped at
+# 140 s). One call of the device tool, e.g.
 #   run(command="bash scripts/device_time_ops.sh", timeout_s=420)
 # then pack them (scripts/pack_gpu_tables.py) or fit the roofline to them:
-# then, on any machine: mars emulate fit-ops ops-qwen3-coder-30b-a3b.json (the GPU profile
+# then, on any machine: mars emulate fit-ops dense-qwen3-coder-30b-a3b.json (the GPU profile
 # follows the timed device's name)
 # (docs/emulation.md, "Fitting a GPU profile to operator timings"). Each file is written
 # after every operator class and attention point, so a run cut short keeps what it timed.
