@@ -23,9 +23,9 @@ DATA = Path(__file__).parent / "data" / "gpu-timings"
 
 
 def _tables(gpu: str, model: str) -> OperatorTables:
-    shipped = shipped_tables(gpu, model)
-    assert shipped is not None, (gpu, model)
-    return shipped[0]
+    tables = shipped_tables(gpu, model)
+    assert tables is not None, (gpu, model)
+    return tables
 
 
 # --------------------------------------------------------------------------- interpolation

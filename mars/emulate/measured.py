@@ -116,20 +116,19 @@ def _table_doc(gpu: str, model: str) -> dict[str, Any] | None:
 
 
 @lru_cache(maxsize=None)
-def shipped_tables(gpu: str, model: str) -> tuple[OperatorTables, dict[str, Any]] | None:
-    """The packaged tables measured on ``gpu`` (a name in :data:`MEASURED`) for ``model``,
-    with their provenance; None where nobody has timed the pair."""
+def shipped_tables(gpu: str, model: str) -> OperatorTables | None:
+    """The packaged tables measured on ``gpu`` (a name in :data:`MEASURED`) for ``model``
+    (their provenance stays in the file); None where nobody has timed the pair."""
     doc = _table_doc(gpu, model)
     if doc is None:
         return None
-    return OperatorTables(get_model(model), get_gpu(gpu), read_timings(doc)), \
-        dict(doc.get("provenance") or {})
+    return OperatorTables(get_model(model), get_gpu(gpu), read_timings(doc))
 
 
 def measured_source(gpu: str, model: str) -> tuple[str, str] | None:
     """``(base GPU, "measured" | "derived")`` where a measured profile exists for the pair."""
     base = gpu if gpu in MEASURED else DERIVED.get(gpu)
-    if base is None or _table_doc(base, model) is None:
+    if base is None or shipped_tables(base, model) is None:
         return None
     return base, "measured" if base == gpu else "derived"
 
@@ -140,14 +139,13 @@ class MeasuredStepModel(StepTimer):
     from the timed one only in its KV dtype."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, tables: OperatorTables,
-                 overheads: Overheads | None = None, provenance: dict[str, Any] | None = None,
-                 mxfp4: Mxfp4Kernel | None = None) -> None:
+                 overheads: Overheads | None = None, mxfp4: Mxfp4Kernel | None = None
+                 ) -> None:
         overheads = overheads or OVERHEADS
         mxfp4 = mxfp4 or MXFP4
         if model.name != tables.model.name:
             raise ValueError(f"tables of {tables.model.name} cannot time {model.name}")
         self.model, self.gpu, self.tables, self.overheads = model, gpu, tables, overheads
-        self.provenance = provenance or {}
         base = tables.gpu
         self.derived = gpu.name != base.name
         self.kind = (f"measured {base.name}" if not self.derived
@@ -241,8 +239,7 @@ def step_model_for(model: ModelSpec, gpu: GpuSpec, coefficients: StepCoefficient
     if kind == "measured" and coefficients is None:
         src = measured_source(gpu.name, model.name)
         if src is not None and gpu == get_gpu(gpu.name):
-            shipped = shipped_tables(src[0], model.name)
-            assert shipped is not None
-            tables, prov = shipped
-            return MeasuredStepModel(model, gpu, tables, provenance=prov)
+            tables = shipped_tables(src[0], model.name)
+            assert tables is not None
+            return MeasuredStepModel(model, gpu, tables)
     return StepTimeModel(model, gpu, coefficients)

@@ -187,20 +187,30 @@ class OperatorTables:
             raise ValueError(f"attention timings of {model.name} need decodes and chunks")
         self._dec = _Rows(dec, lambda _c: 0)  # outer: context, inner: requests
         self._chunk = _Rows(chunks, lambda n: n)  # outer: chunk, inner: context + chunk
-        self.attention_floor = min(t.seconds for t in by_op["attention"])
         self.floors = {op: min((t.seconds for t in pts), default=0.0)
                        for op, pts in by_op.items()}
         #: lookups outside the measured range, by operator (priced by the roofline's ratio)
         self.outside: Counter[str] = Counter()
 
-    # ------------------------------------------------------------------ one-size operators
+    @property
+    def attention_floor(self) -> float:
+        """The fastest attention ever measured: one kernel launch's latency."""
+        return self.floors["attention"]
+
+    # ------------------------------------------------------------------ lookups
+    def _carry(self, op: str, t: float, edge: float, value: float, roof) -> float:
+        """``t``, measured at ``edge``, carried to ``value`` outside the measured range by
+        the roofline's ratio (never under the operator's fastest time below the range);
+        counted in :attr:`outside`."""
+        self.outside[op] += 1
+        scaled = t * roof(value) / roof(edge)
+        return max(scaled, self.floors[op]) if value < edge else scaled
+
     def _curve(self, op: str, curve: LogCurve, size: float, roof) -> float:
         if curve.inside(size):
             return curve(size)
-        self.outside[op] += 1
         edge = curve.lo if size < curve.lo else curve.hi
-        t = curve(edge) * roof(size) / roof(edge)
-        return max(t, self.floors[op]) if size < curve.lo else t
+        return self._carry(op, curve(edge), edge, size, roof)
 
     def projections(self, tokens: int) -> float:
         return self._curve("projections", self._proj, tokens, self.roof.projections)
@@ -238,20 +248,10 @@ class OperatorTables:
         return log_lerp(new, a, ta, b, tb)
 
     def _row(self, rows: _Rows, outer: int, inner: float, roof) -> float:
-        curve = rows.curves[outer]
-        if curve.inside(inner):
-            return curve(inner)
-        self.outside["attention"] += 1
-        edge = curve.lo if inner < curve.lo else curve.hi
-        t = curve(edge) * roof(inner) / roof(edge)
-        return max(t, self.attention_floor) if inner < curve.lo else t
+        return self._curve("attention", rows.curves[outer], inner, roof)
 
     def _outer_edge(self, edge: float, value: float, t: float, roof) -> float:
-        if value == edge:
-            return t
-        self.outside["attention"] += 1
-        scaled = t * roof(value) / roof(edge)
-        return max(scaled, self.attention_floor) if value < edge else scaled
+        return t if value == edge else self._carry("attention", t, edge, value, roof)
 
     def attention(self, batch: Sequence[tuple[int, int]], window: int | None = None) -> float:
         """One layer's attention over a step's ``(new, context)`` pairs (module docstring);

@@ -118,10 +118,9 @@ def report(src: str | Path) -> str:
             "(run vs repeat): mean |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for gpu, folder in (("h100", "h100-sxm"), ("h200", "h200")):
         for model in ("qwen3-coder-30b-a3b", "gpt-oss-120b"):
-            shipped = shipped_tables(gpu, model)
-            if shipped is None:
+            tables = shipped_tables(gpu, model)
+            if tables is None:
                 continue
-            tables = shipped[0]
             _, dense = load(root / folder / f"dense-{model}.json")
             own = errors(tables, dense)
             kept, left = split_alternate(dense)

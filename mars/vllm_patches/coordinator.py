@@ -282,16 +282,11 @@ class Coordinator:
         bs = self._bs
         return min(n, bs - computed % bs)
 
-    def on_step(self, seconds: float) -> None:
-        """The step scheduled last ended and took ``seconds`` (synchronous scheduling: it
-        ends before the next is scheduled): settle the bounded prefills' credit."""
-        self.settle(self.take_bounded(), seconds)
-
     def take_bounded(self) -> bool | None:
         """Whether the step just scheduled ran a bounded prefill (None: none was ranked
-        below a better call), forgotten here. Under async scheduling the step is settled
-        when its output arrives, after the next one has been scheduled: the scheduler keeps
-        this with the step until then."""
+        below a better call), forgotten here, to :meth:`settle` when the step ends: before
+        the next one is scheduled (synchronous scheduling) or when its output arrives, after
+        the next one (async; the scheduler keeps it with the step until then)."""
         ran, self._bounded_step = self._bounded_step, None
         return ran
 

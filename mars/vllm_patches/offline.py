@@ -298,16 +298,6 @@ class OfflineEngine:
         """Batches scheduled whose outputs the scheduler has not had yet (async only)."""
         return len(self._batch_queue)
 
-    def abort(self, rids: Iterable[str]) -> None:
-        """Abort requests between steps, as the EngineCore does (a batch may still hold
-        them: its outputs for them are then stale and dropped by the scheduler)."""
-        from vllm.v1.request import RequestStatus
-
-        rids = [r for r in rids if r in self.live]
-        self.sched.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
-        for r in rids:
-            self.live.pop(r, None)
-
     def collect_finished(self, eco) -> list[str]:
         """Record the requests an ``update_from_output`` result finished; their ids."""
         finished = []

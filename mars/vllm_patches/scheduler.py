@@ -212,10 +212,18 @@ class MarsSchedulerMixin:
             return
         ts, tokens, reqs = last
         if now > ts:
-            sample = self.mars_step_stats.observe(tokens, reqs, now - ts)
+            self._mars_record_step(tokens, reqs, now - ts, self.mars_coord.take_bounded())
+
+    def _mars_record_step(self, tokens: int, reqs: int, seconds: float,
+                          bounded: bool | None, reserved: float = 0.0) -> None:
+        """One step of ``tokens`` for ``reqs`` calls took ``seconds``: the prefill rate and
+        the decode step learn from it, and the bounded prefills' credit is settled (what was
+        reserved for it returned, its measured time charged)."""
+        if seconds > 0:
+            sample = self.mars_step_stats.observe(tokens, reqs, seconds)
             if sample is not None:
                 self.mars_cosched.retention.observe_prefill(*sample)
-            self.mars_coord.on_step(now - ts)
+        self.mars_coord.settle(bounded, max(seconds, 0.0), reserved)
 
     # ------------------------------------------------------------ step hooks
     def _mars_step_done(self, out, now: float) -> None:
@@ -232,13 +240,7 @@ class MarsSchedulerMixin:
         self._mars_steps_measured += 1
         start = max(ts, self._mars_prev_done)
         self._mars_prev_done = now
-        if now > start:
-            sample = self.mars_step_stats.observe(tokens, reqs, now - start)
-            if sample is not None:
-                self.mars_cosched.retention.observe_prefill(*sample)
-            self.mars_coord.settle(bounded, now - start, reserved)
-        else:
-            self.mars_coord.settle(bounded, 0.0, reserved)
+        self._mars_record_step(tokens, reqs, now - start, bounded, reserved)
 
     def schedule(self, *args, **kwargs):
         now = self.mars_clock()
