@@ -9,7 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${MARS_PYTHON:-python3.11}
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+# pip's metadata build leaves mars_serve.egg-info in the tree; a stale one on sys.path (the
+# repo root, under `python -m pytest`) would shadow the installed entry points (the platform
+# plugin among them), so it goes unless it was there before
+had_egg=$([ -e mars_serve.egg-info ] && echo 1 || true)
+trap 'rm -rf "$tmp"; [ -n "$had_egg" ] || rm -rf mars_serve.egg-info' EXIT
 "$PY" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 "$tmp/venv/bin/python" -m pip install --dry-run --quiet --report "$tmp/report.json" \

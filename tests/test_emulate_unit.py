@@ -169,6 +169,62 @@ def test_virtual_pacer_advances_by_the_model():
     assert moved == [0.25] and p.stats.modeled_s == 0.25
 
 
+def test_async_steps_run_back_to_back_on_the_device():
+    """Async scheduling: step k+1 is launched while step k runs; it starts when k ends, and
+    the host work between launches costs no device time while it is shorter than a step."""
+    ft = FakeTime()
+    p = ft.pacer()
+    d0 = p.launch(0.010)
+    ft.work(0.002)  # schedule the next step while the first runs
+    d1 = p.launch(0.010)
+    assert (d0, d1) == (pytest.approx(0.010), pytest.approx(0.020))
+    p.wait(d0)
+    assert ft.wall == pytest.approx(0.010)
+    ft.work(0.003)  # process step 0's outputs, schedule step 2 (step 1 runs)
+    d2 = p.launch(0.010)
+    assert d2 == pytest.approx(0.030)  # queued behind step 1, not delayed by the host
+    p.wait(d1); p.wait(d2)
+    assert ft.wall == pytest.approx(0.030)
+    st = p.stats
+    assert st.steps == 3 and st.modeled_s == pytest.approx(0.030) and st.late_steps == 0
+    assert st.host_cpu_s == pytest.approx(0.005)
+
+
+def test_async_device_waits_for_a_slow_host():
+    ft = FakeTime()
+    p = ft.pacer()
+    d0 = p.launch(0.010)
+    d1 = p.launch(0.010)
+    p.wait(d0)
+    ft.work(0.015)  # step 1 ended at 0.020; the host launches step 2 at 0.025
+    d2 = p.launch(0.010)
+    assert d2 == pytest.approx(0.035)
+    assert p.stats.late_steps == 1 and p.stats.late_s == pytest.approx(0.005)
+    p.wait(d1); p.wait(d2)
+    # a launch onto an idle device (nothing outstanding) is not late, however long the gap
+    ft.idle(3.0)
+    d3 = p.launch(0.010)
+    assert d3 == pytest.approx(ft.wall + 0.010) and p.stats.late_steps == 1
+
+
+def test_virtual_pacer_async_moves_the_clock_to_each_steps_end():
+    clock = [100.0]
+
+    def advance(dt: float) -> None:
+        clock[0] += dt
+
+    p = VirtualPacer(advance, now=lambda: clock[0])
+    d0 = p.launch(0.5)
+    d1 = p.launch(0.25)  # launched at once, runs after step 0
+    assert (d0, d1) == (100.5, 100.75) and clock[0] == 100.0
+    p.wait(d0)
+    assert clock[0] == 100.5
+    p.wait(d1)
+    assert clock[0] == 100.75 and p.read == 2
+    clock[0] = 200.0  # an idle spell: the next step starts when launched
+    assert p.launch(0.1) == pytest.approx(200.1)
+
+
 # ---------------------------------------------------------------------------- virtual tool cores
 def test_virtual_tool_cores_queue_without_burning_cpu():
     """Four CPU-bound tools of 0.2 s on two virtual cores: two wait for a slot (at least

@@ -45,6 +45,8 @@ def test_models_lists_the_target_model_and_its_context(emu):
     assert [m["id"] for m in models] == [SERVED]
     assert models[0]["max_model_len"] == 262144
     assert "EMULATED GPU" in emu.tail(400)
+    # as vLLM on the card: the async scheduler class (issue #32)
+    assert "async scheduling" in emu.tail(400)
 
 
 def test_chat_completion_and_stream(emu):

@@ -59,9 +59,37 @@ def test_the_server_starts_on_the_h100_with_default_arguments():
             "model": models[0]["id"], "prompt": [1, 2, 3], "max_tokens": 4,
             "ignore_eos": True})
         assert r.status_code == 200, r.text
-        assert "measured h100" in srv.tail(400)
+        assert "measured h100; async scheduling" in srv.tail(400)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flag", [None, "--no-async-scheduling"])
+def test_the_emulated_gpu_runs_the_scheduler_class_a_gpu_gets(flag):
+    """vLLM turns async scheduling on by default on a GPU, and MarsAsyncScheduler is what a
+    GPU user runs: the emulated GPU decides the same (the executor supports it; the platform
+    plugin keeps the decision the CPU platform would drop), and vLLM's own
+    `--no-async-scheduling` gives the sync class. The real CPU engine is left as vLLM's CPU
+    platform decides it (sync)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from mars.sim.clock import VirtualClock
+    from mars.vllm_patches.offline import tiny_model_dir
+    from mars.vllm_patches.sim_engine import SimEngine
+
+    assert type(current_platform).__name__ == "EmulationAwareCpuPlatform"
+    eng = SimEngine("h100:qwen3-coder-30b-a3b", "mars", clock=VirtualClock(),
+                    sink=lambda _e: None, extra_args=[flag] if flag else [])
+    try:
+        want = "MarsScheduler" if flag else "MarsAsyncScheduler"
+        assert type(eng.scheduler).__name__ == want
+        assert eng.async_scheduling is (flag is None)
+        assert eng.vllm_config.scheduler_config.async_scheduling is (flag is None)
+    finally:
+        eng.close()
+    cpu = EngineArgs(model=tiny_model_dir(), max_model_len=2048).create_engine_config()
+    assert cpu.scheduler_config.async_scheduling is False
 
 
 @pytest.mark.parametrize("key", ["qwen-h100nvl-1024x128", "oss-h100-c4-ttft"])

@@ -2,18 +2,27 @@
 
 A real engine on an H100/H200 runs vLLM with asynchronous scheduling: the host prepares step
 ``k+1`` (scheduling, input preparation, output processing of step ``k``) while the GPU runs step
-``k``, so the step cadence is ``max(GPU time, host time)``. The emulated executor runs inside a
-synchronous engine loop (vLLM's CPU platform turns async scheduling off), where the host work
-happens *between* steps. To keep the real cadence the pacer hides that host work under the next
-step: a step that starts after the engine spent ``h`` seconds of its own CPU since the previous
-step ended is due ``modeled - min(h, modeled)`` seconds after it starts. The host time is the
-engine thread's CPU time (``time.thread_time``), not the wall gap, so a gap in which the engine
-was idle (waiting for requests) is not mistaken for overlapped work.
+``k``, so the step cadence is ``max(GPU time, host time)``. The emulated engine runs either way:
 
-A step whose host work exceeds its modeled time cannot be hidden: it ends late, as on a real
-GPU whose host is the bottleneck. :class:`PacerStats` counts such steps and their lateness; the
-emulation is faithful only while they stay rare (``mars bench`` reports them, and the docs show
-the engine's CPU time per step against the modeled step time).
+* **async** (the default, as on the card; :mod:`mars.vllm_patches.emulated_platform`): vLLM's
+  ``step_with_batch_queue`` launches a step and schedules the next one before the first one's
+  outputs are processed. The pacer keeps the card's timeline: a launched step starts when the
+  device finishes the one before it (or at once if the device is idle) and lasts its modeled
+  time (:meth:`StepPacer.launch`); its outputs are available at its end
+  (:meth:`StepPacer.wait`). Host work between launches overlaps the device by construction.
+* **sync** (``--no-async-scheduling``; vLLM's CPU platform's choice for the real CPU engine):
+  the host work happens *between* steps. To keep the real cadence the pacer hides that host
+  work under the next step: a step that starts after the engine spent ``h`` seconds of its
+  own CPU since the previous step ended is due ``modeled - min(h, modeled)`` seconds after it
+  starts (:meth:`StepPacer.begin` / :meth:`StepPacer.end`). The host time is the engine
+  thread's CPU time (``time.thread_time``), not the wall gap, so a gap in which the engine was
+  idle (waiting for requests) is not mistaken for overlapped work.
+
+A step whose host work exceeds its modeled time cannot be hidden: it ends late (sync), or the
+device waits for the host (async), as on a real GPU whose host is the bottleneck.
+:class:`PacerStats` counts such steps and their lateness; the emulation is faithful only while
+they stay rare (``mars bench`` reports them, and the docs show the engine's CPU time per step
+against the modeled step time).
 
 :class:`WallPacer` sleeps (paced, real time: the served stack); :class:`VirtualPacer` advances a
 virtual clock by exactly the modeled time (the simulator).
@@ -22,6 +31,7 @@ virtual clock by exactly the modeled time (the simulator).
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -58,6 +68,16 @@ class StepPacer(abc.ABC):
     def end(self, modeled_s: float) -> None:
         """Return when the step that began last, modeled at ``modeled_s``, is due."""
 
+    @abc.abstractmethod
+    def launch(self, modeled_s: float) -> float:
+        """Async scheduling: a step of ``modeled_s`` enters the device's queue now. Returns
+        when it will have finished, on this pacer's clock."""
+
+    @abc.abstractmethod
+    def wait(self, done_at: float) -> None:
+        """Async scheduling: return when the launched step that finishes at ``done_at`` has
+        finished (its outputs are read)."""
+
 
 class WallPacer(StepPacer):
     """Real time: sleeps until the step is due, hiding host work as async scheduling does."""
@@ -71,6 +91,11 @@ class WallPacer(StepPacer):
         self._wall_at_end = 0.0
         self._start = self._cpu_at_start = 0.0
         self._hidden = 0.0
+        # async: when the device finishes the last step launched, and the steps launched /
+        # waited for (a launch with one outstanding finds the device busy)
+        self._free_at: float | None = None
+        self._cpu_at_launch = 0.0
+        self._launched = self._waited = 0
 
     def begin(self) -> None:
         self._start, self._cpu_at_start = self._clock(), self._cpu()
@@ -99,13 +124,48 @@ class WallPacer(StepPacer):
             st.late_s += late
         self._cpu_at_end, self._wall_at_end = self._cpu(), self._clock()
 
+    # ------------------------------------------------------------------ async
+    def launch(self, modeled_s: float) -> float:
+        st = self.stats
+        now, cpu = self._clock(), self._cpu()
+        busy = self._free_at is not None and self._launched > self._waited
+        if busy:
+            # the device still runs an earlier step: the host work since the last launch
+            # overlapped it; any gap between that step's end and this launch is the device
+            # waiting for the host
+            st.host_cpu_s += max(0.0, cpu - self._cpu_at_launch)
+            gap = now - self._free_at
+            if gap > 0:
+                st.late_steps += 1
+                st.late_s += gap
+        start = max(now, self._free_at or now)
+        self._free_at = start + modeled_s
+        self._cpu_at_launch = cpu
+        self._launched += 1
+        st.steps += 1
+        st.modeled_s += modeled_s
+        return self._free_at
+
+    def wait(self, done_at: float) -> None:
+        self._waited += 1
+        left = done_at - self._clock()
+        if left > 0:
+            self._sleep(left)
+
 
 class VirtualPacer(StepPacer):
-    """Virtual time: each step advances ``advance`` by exactly its modeled time."""
+    """Virtual time: each step advances ``advance`` by exactly its modeled time (sync), or
+    the clock moves to the end of each launched step when its outputs are read (async: the
+    device runs launched steps back to back; host work takes no virtual time)."""
 
-    def __init__(self, advance: Callable[[float], None]) -> None:
+    def __init__(self, advance: Callable[[float], None],
+                 now: Callable[[], float] | None = None) -> None:
         super().__init__()
         self._advance = advance
+        self._now = now
+        self._free_at = -math.inf
+        #: launched steps whose outputs were read (async)
+        self.read = 0
 
     def begin(self) -> None:
         pass
@@ -114,6 +174,20 @@ class VirtualPacer(StepPacer):
         self.stats.steps += 1
         self.stats.modeled_s += modeled_s
         self._advance(modeled_s)
+
+    def launch(self, modeled_s: float) -> float:
+        if self._now is None:
+            raise RuntimeError("an async VirtualPacer needs the clock's now()")
+        self.stats.steps += 1
+        self.stats.modeled_s += modeled_s
+        self._free_at = max(self._now(), self._free_at) + modeled_s
+        return self._free_at
+
+    def wait(self, done_at: float) -> None:
+        self.read += 1
+        left = done_at - self._now()
+        if left > 0:
+            self._advance(left)
 
 
 # ---------------------------------------------------------------------------- process slot

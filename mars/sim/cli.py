@@ -117,6 +117,9 @@ def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
                 "roofline" if '"roofline"' in (args.engine_args or "") else "measured")}),
             **({"profile_sha256": args.profile_sha256} if args.profile else {}),
             "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
+            # async scheduling became the default after sync-only ideals were cached
+            "scheduling": "sync" if "--no-async-scheduling" in (args.engine_args or "")
+            else "async",
             "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed,
             **({"host": args.host_model.as_dict()}
                if getattr(args, "host_model", None) and args.host_model.active else {})}
@@ -186,6 +189,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _gpu_model(args)
     _host(args)
+    if args.no_async_scheduling:  # vLLM's own flag, given to every engine
+        args.engine_args = f"{args.engine_args or ''} --no-async-scheduling".strip()
     try:
         extra = shlex.split(args.engine_args or "")
     except ValueError as e:
@@ -302,6 +307,9 @@ def register(sub) -> None:
     r.add_argument("--engine-args", default="", metavar="ARGS",
                    help="more `mars-vllm serve` arguments, one string (e.g. "
                         "'--max-num-seqs 256')")
+    r.add_argument("--no-async-scheduling", action="store_true",
+                   help="vLLM's sync scheduler class (MarsScheduler) instead of the async one "
+                        "(MarsAsyncScheduler) that vLLM runs on a GPU by default")
     r.add_argument("--ideal", default="auto", metavar="auto|skip|FILE",
                    help="ideal latencies: auto = simulate each task alone (cached), skip, or "
                         "a file as for mars replay (default auto)")

@@ -234,11 +234,11 @@ class Simulation:
             if not self._unfinished:
                 break
             if eng.has_work:
-                before = eng.pacer_stats.steps
+                before = eng.progress
                 outs = eng.step()
                 if outs:
                     self._outputs(outs, clock())
-                if eng.pacer_stats.steps != before:
+                if eng.progress != before:
                     stalled_since = None
                     continue
                 # the engine holds requests but scheduled nothing: only time can help

@@ -17,6 +17,13 @@ What the executor does in place of a GPU worker:
   capacity is logged at start-up.
 * **Each step** returns sampled tokens (:class:`mars.emulate.batch.RequestTable`) once the
   step-time model's time for the batch has passed (:class:`mars.emulate.pacing.WallPacer`).
+* **Async scheduling**, as vLLM runs it on the card by default: the executor says it supports
+  it, and :mod:`mars.vllm_patches.emulated_platform` keeps vLLM's decision where the CPU
+  platform would drop it. Then, as vLLM's GPU worker does, ``execute_model`` returns nothing,
+  ``sample_tokens`` returns an :class:`~vllm.v1.outputs.AsyncModelRunnerOutput`, and its
+  ``get_output`` (what vLLM's ``UniProcExecutor`` future calls when the engine pops the step
+  from its batch queue) returns when the step is done on the device's timeline
+  (:meth:`~mars.emulate.pacing.StepPacer.launch` / ``wait``).
 
 The tokenizer, and so the text, is the embedded tiny model's: vLLM is started on its directory
 with the target's served name and context limit, and never loads its weights.
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from mars.emulate.batch import NATURAL_TOKENS, EmulatedOutput, RequestTable, Scheduled
 from mars.emulate.pacing import StepPacer, WallPacer, set_active
@@ -137,6 +145,9 @@ class EmulatedWorker:
             natural_tokens=self.config.natural_tokens))
         self.pacer = pacer or WallPacer()
         set_active(self.pacer)
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        #: async: the step execute_model ran, for sample_tokens to launch
+        self._executed: tuple[Any, float] | None = None
 
     # ------------------------------------------------------------------ start-up
     def get_kv_cache_spec(self) -> dict:
@@ -176,9 +187,11 @@ class EmulatedWorker:
         block = self.vllm_config.cache_config.block_size
         tokens = getattr(self.vllm_config.cache_config, "kv_cache_size_tokens", None)
         logger.warning(
-            "mars: EMULATED GPU %s serving %s (no weights; step-time model: %s): %.1f GiB of "
-            "KV cache = %d blocks of %d tokens; vLLM's capacity %s tokens at max_model_len %d",
+            "mars: EMULATED GPU %s serving %s (no weights; step-time model: %s; %s "
+            "scheduling): %.1f GiB of KV cache = %d blocks of %d tokens; vLLM's capacity %s "
+            "tokens at max_model_len %d",
             self.gpu.name, self.model.name, self.step_model.kind,
+            "async" if self.async_scheduling else "sync",
             self.determine_available_memory() / 2**30,
             cfg.num_blocks, block, f"{tokens:,}" if tokens else "?",
             self.vllm_config.model_config.max_model_len)
@@ -200,7 +213,8 @@ class EmulatedWorker:
         self.table.finish(so.finished_req_ids)
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        self.pacer.begin()
+        if not self.async_scheduling:
+            self.pacer.begin()
         n_sched = so.num_scheduled_tokens
         batch: list[Scheduled] = []
         for r in so.scheduled_new_reqs:
@@ -220,11 +234,21 @@ class EmulatedWorker:
         out = ModelRunnerOutput(req_ids=req_ids,
                                 req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=[sampled[rid] for rid in req_ids])
-        self.pacer.end(self.step_model.step_time(entries))
+        modeled = self.step_model.step_time(entries)
+        if self.async_scheduling:
+            # as the GPU worker under async scheduling: the outputs come from sample_tokens
+            self._executed = (out, modeled)
+            return None
+        self.pacer.end(modeled)
         return out
 
     def sample_tokens(self, grammar_output):
-        raise RuntimeError("the emulated executor samples in execute_model")
+        if self._executed is None:
+            raise RuntimeError("sample_tokens without a step executed (the emulated executor "
+                               "samples in execute_model unless scheduling is async)")
+        out, modeled = self._executed
+        self._executed = None
+        return _LaunchedStep(out, self.pacer, self.pacer.launch(modeled))
 
     def take_draft_token_ids(self):
         return None
@@ -261,6 +285,17 @@ class EmulatedWorker:
         return set()
 
 
+class _LaunchedStep(AsyncModelRunnerOutput):
+    """A step on the emulated device: its outputs once the device has finished it."""
+
+    def __init__(self, out, pacer: StepPacer, done_at: float) -> None:
+        self._out, self._pacer, self._done_at = out, pacer, done_at
+
+    def get_output(self):
+        self._pacer.wait(self._done_at)
+        return self._out
+
+
 class EmulatedExecutor(UniProcExecutor):
     """vLLM's single-process executor with :class:`EmulatedWorker` as its worker."""
 
@@ -269,6 +304,5 @@ class EmulatedExecutor(UniProcExecutor):
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
-        # vLLM's CPU platform runs the engine loop synchronously; the pacer models the
-        # overlap async scheduling gives on the real card (mars/emulate/pacing.py)
-        return False
+        # as vLLM's GPU executors; the worker launches steps on the pacer's device timeline
+        return True

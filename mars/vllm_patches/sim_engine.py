@@ -8,7 +8,8 @@ differs from the served engine is only where time comes from and where events go
 
 * the executor's pacer is a :class:`~mars.emulate.pacing.VirtualPacer`: a step advances the
   virtual clock by exactly the step-time model's time for the batch vLLM scheduled, instead
-  of sleeping until it is due;
+  of sleeping until it is due (under async scheduling, the default as on the card, the clock
+  moves to the end of each step on the device's timeline when the engine reads its outputs);
 * the scheduler reads that clock (``set_mars_clock``), so windows, ticks, tool-time
   estimates and pin decisions see virtual seconds;
 * its events go to a callback (the simulator's event hub) instead of a ZMQ socket.
@@ -107,11 +108,14 @@ class SimEngine:
             self.vllm_config = EngineArgs.from_cli_args(args).create_engine_config(
                 usage_context=UsageContext.OPENAI_API_SERVER)
             self.core = EngineCore(self.vllm_config, EmulatedExecutor, log_stats=False)
-        # one step = schedule, execute, update (the emulated executor runs vLLM's synchronous
-        # loop; a batch queue would pipeline steps and step() would not be the engine's step)
-        assert self.core.batch_queue is None and self.core.step_fn == self.core.step
+        # vLLM's own loop body: step() (sync), or step_with_batch_queue() (async scheduling,
+        # the default on the card: a step is launched before the last one's outputs are read)
+        self.async_scheduling = self.core.batch_queue is not None
         worker = self.core.model_executor.driver_worker
-        self.pacer = VirtualPacer(clock.advance)
+        self.pacer = VirtualPacer(clock.advance, now=clock)
+        #: engine calls that launched a batch or read one's outputs (the simulator's
+        #: liveness check: a call that did neither leaves only time to help)
+        self.progress = 0
         worker.pacer = self.pacer
         set_active(self.pacer)
         self.step_model = worker.step_model
@@ -148,14 +152,27 @@ class SimEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        """Requests to schedule, or (async) steps launched whose outputs are still to read;
+        vLLM's busy loop asks the same."""
+        return self.scheduler.has_requests() or bool(self.core.batch_queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched whose outputs the scheduler has not had yet (async only)."""
+        return len(self.core.batch_queue or ())
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[StepOutput]:
-        """One engine step (the clock advances by its modeled time)."""
-        outputs, _ = self.core.step()
+        """One pass of vLLM's engine loop: schedule and run a step (sync: the clock advances
+        by its modeled time), or (async) launch a step and, when the queue is full or
+        nothing more can be scheduled, read the oldest step's outputs (the clock moves to
+        its end)."""
+        read = self.pacer.read
+        outputs, executed = self.core.step_fn()
+        if executed or self.pacer.read != read:
+            self.progress += 1
         got: list[StepOutput] = []
-        for eco in outputs.values():
+        for eco in (outputs or {}).values():
             for o in eco.outputs:
                 ps = o.prefill_stats  # what the API server reports as cached_tokens
                 got.append(StepOutput(o.request_id, list(o.new_token_ids),
