@@ -25,7 +25,7 @@ they stay rare (``mars bench`` reports them, and the docs show the engine's CPU 
 against the modeled step time).
 
 :class:`WallPacer` sleeps (paced, real time: the served stack); :class:`VirtualPacer` advances a
-virtual clock by exactly the modeled time (the simulator).
+:class:`VirtualClock` by exactly the modeled time (the simulator, the offline engine).
 """
 
 from __future__ import annotations
@@ -188,6 +188,25 @@ class VirtualPacer(StepPacer):
         left = done_at - self._now()
         if left > 0:
             self._advance(left)
+
+
+class VirtualClock:
+    """Seconds that move only when told to (starts at ``start``, an arbitrary epoch)."""
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError("time does not run backwards")
+        self.now += dt
+
+    def advance_to(self, t: float) -> None:
+        if t > self.now:
+            self.now = t
 
 
 # ---------------------------------------------------------------------------- process slot

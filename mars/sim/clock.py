@@ -1,4 +1,4 @@
-"""The simulator's timeline: a virtual clock and the callbacks due on it.
+"""The simulator's timeline: the callbacks due on a virtual clock.
 
 Sans-IO and framework-free. Engine steps move the clock by their modeled time; when the
 engine is idle the loop jumps to the next due callback. A callback due during a step runs at
@@ -12,24 +12,11 @@ import heapq
 import itertools
 from collections.abc import Callable
 
+# the clock belongs to the emulated GPU's time (the pacer moves it); re-exported here, where
+# the simulator's timeline reads it
+from mars.emulate.pacing import VirtualClock
 
-class VirtualClock:
-    """Seconds that move only when told to (starts at ``start``, an arbitrary epoch)."""
-
-    def __init__(self, start: float = 1_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, dt: float) -> None:
-        if dt < 0:
-            raise ValueError("time does not run backwards")
-        self.now += dt
-
-    def advance_to(self, t: float) -> None:
-        if t > self.now:
-            self.now = t
+__all__ = ["Timeline", "VirtualClock"]
 
 
 class Timeline:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from mars.sim.clock import VirtualClock
+from mars.emulate.pacing import VirtualClock
 
 #: block size of the embedded tiny model's engine on CPU (``mars-vllm serve`` default)
 BLOCK_SIZE = 32

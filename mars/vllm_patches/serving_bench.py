@@ -45,7 +45,7 @@ def run_bench(emulate: str, w: BenchWorkload, *, step_model: str = "measured",
               seed: int = 0) -> BenchResult:
     """Run ``w`` on the emulated ``GPU:MODEL`` with vLLM's FCFS scheduler (the benchmarks
     ran stock vLLM) and the ``step_model`` (``measured`` or ``roofline``)."""
-    from mars.sim.clock import VirtualClock
+    from mars.emulate.pacing import VirtualClock
     from mars.vllm_patches.sim_engine import SimEngine
 
     extra = ["--max-num-batched-tokens", str(w.max_num_batched_tokens),

@@ -31,7 +31,6 @@ non-final call without a tool gets the tool name ``"unknown"`` (light: the repla
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .generator import poisson_arrivals
+from .importers import detect_format, records_from
 from .trace import Round, Task, Trace, TraceError, TraceHeader, prompt_lengths
 
 UNKNOWN_TOOL = "unknown"
@@ -131,23 +131,6 @@ def _parse_call(d: Any, source: str, line: int) -> _Call:
         observation=_get_int(d, "observation_tokens", 0, source, line, required=False),
         start=_get_num(d, "start_s", source, line, None),
     )
-
-
-def read_recording(path: str | PathLike[str]) -> list[tuple[int, dict]]:
-    """``(line number, record)`` for every non-blank line of a recording file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise _bad(str(path), n, f"invalid JSON: {e.msg} (column {e.colno})") from None
-    return out
 
 
 def import_records(
@@ -306,8 +289,6 @@ def import_file(path: str | PathLike[str], fmt: str = "recording", **kwargs: Any
     """:func:`import_records` on a recording file, or on any log format of
     :mod:`mars.workloads.importers` (``fmt``: ``auto``, ``recording``, ``openai-log``,
     ``swe-agent``, ``openhands``); errors name ``PATH:LINE``."""
-    from .importers import detect_format, records_from
-
     if fmt == "auto":
         fmt = detect_format(Path(path))
     records, source = records_from(path, fmt)

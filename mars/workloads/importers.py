@@ -1,5 +1,9 @@
 """Agent logs users already have, converted into the importer's call records.
 
+The lower of the two import layers: it reads files (every format, the importer's own
+``recording`` JSONL included) into records and imports nothing of :mod:`.importer`, which
+turns records into a trace.
+
 Each format becomes the per-call records of :mod:`mars.workloads.importer` (``session_id``,
 ``call_index``, ``prompt_tokens``, ``output_tokens``, ``tool``, ``tool_duration_s``,
 ``start_s``), so one code path derives the append-only trace, checks it and handles condensed
@@ -422,10 +426,26 @@ def detect_format(path: Path) -> str:
     return "recording"
 
 
+def read_recording(path: str | PathLike[str]) -> list[tuple[int, dict]]:
+    """``(line number, record)`` for every non-blank line of a recording file (the
+    ``recording`` format; also the line reader of ``openai-log``)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
+    return out
+
+
 def records_from(path: str | PathLike[str], fmt: str) -> tuple[list[tuple[int, Any]], str]:
     """``(records, source label)`` of ``path`` in format ``fmt`` (see :data:`FORMATS`)."""
-    from .importer import read_recording
-
     p = Path(path)
     if fmt == "auto":
         fmt = detect_format(p)
