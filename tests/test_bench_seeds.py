@@ -88,7 +88,7 @@ def test_benches_that_differ_in_more_than_the_seed_are_refused():
 
 @pytest.mark.parametrize("text,seeds", [("0,1,2", [0, 1, 2]), ("3-5", [3, 4, 5]), ("7", [7])])
 def test_the_seed_list_parses(text, seeds):
-    from mars.cli_types import seeds as parse
+    from mars.cli.types import seeds as parse
 
     assert parse(text) == seeds
 
@@ -97,7 +97,7 @@ def test_the_seed_list_parses(text, seeds):
 def test_a_bad_seed_list_is_a_usage_error(text):
     import argparse
 
-    from mars.cli_types import seeds as parse
+    from mars.cli.types import seeds as parse
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse(text)

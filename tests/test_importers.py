@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mars.workloads import cli
+from mars.cli import workloads as cli
 from mars.workloads.importer import import_file
 from mars.workloads.importers import (
     classify_swe_agent_action,

@@ -88,7 +88,7 @@ def test_a_dense_model_keeps_the_shipped_moe_efficiency_and_efficiencies_stay_at
 
 
 def test_the_gpu_profile_follows_the_timed_device():
-    from mars.emulate.cli import gpu_for_device
+    from mars.cli.emulate import gpu_for_device
 
     assert gpu_for_device("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_for_device("NVIDIA H100 NVL") == "h100-nvl"

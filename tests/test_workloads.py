@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mars.workloads import cli
+from mars.cli import workloads as cli
 from mars.workloads.generator import (
     PAPER_CONTEXT_LIMIT,
     REGIMES,
@@ -499,12 +499,12 @@ def test_cli_register_into_parent_parser(tmp_path):
 def test_cli_as_module(tmp_path):
     out = tmp_path / "m.jsonl"
     r = subprocess.run(
-        [sys.executable, "-m", "mars.workloads.cli", "generate", "ILR-4", "-o", str(out), "--num-tasks", "5"],
+        [sys.executable, "-m", "mars.cli.workloads", "generate", "ILR-4", "-o", str(out), "--num-tasks", "5"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0, r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "mars.workloads.cli", "validate", str(out)],
+        [sys.executable, "-m", "mars.cli.workloads", "validate", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0 and "5 tasks" in r.stdout

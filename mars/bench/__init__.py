@@ -38,11 +38,11 @@ from .runner import (
     resolve_policies,
     resolve_regimes,
 )
-from mars.cli_types import cores as _cores
-from mars.cli_types import positive_float as _positive_float
-from mars.cli_types import positive_int as _positive_int
-from mars.cli_types import seeds as _seeds
-from mars.cli_types import slacks as _slacks
+from mars.cli.types import cores as _cores
+from mars.cli.types import positive_float as _positive_float
+from mars.cli.types import positive_int as _positive_int
+from mars.cli.types import seeds as _seeds
+from mars.cli.types import slacks as _slacks
 
 __all__ = ["ABLATIONS", "BASELINES", "Bench", "BenchConfig", "BenchError", "compare",
            "config_from_args", "format_tables", "register", "write_plots"]

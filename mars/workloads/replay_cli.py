@@ -1,6 +1,6 @@
 """``mars replay`` and ``mars report``: the measurement harness on the command line.
 
-``mars/cli.py`` calls :func:`register`; each leaf command sets ``func(args) -> int``.
+``mars/cli/__init__.py`` calls :func:`register`; each leaf command sets ``func(args) -> int``.
 Exit status of ``mars replay``: 0 every task done, 1 bad input or unreachable server (one
 line on stderr; malformed options are argparse's usual 2), 3 the run finished but some task
 failed, 130 interrupted (partial results are still written).
@@ -28,10 +28,10 @@ from .prompts import DEFAULT_TOKEN_RANGE, parse_token_range
 from .results import ResultsError, RunResult, format_report, read_results, write_results
 from .toolpool import BURN_MODES
 from .trace import Trace, TraceError, read_trace, write_trace
-from mars.cli_types import cores as _cores
-from mars.cli_types import positive_float as _positive_float
-from mars.cli_types import positive_int as _positive_int
-from mars.cli_types import slacks as _slacks
+from mars.cli.types import cores as _cores
+from mars.cli.types import positive_float as _positive_float
+from mars.cli.types import positive_int as _positive_int
+from mars.cli.types import slacks as _slacks
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED_TASKS, EXIT_INTERRUPTED = 0, 1, 3, 130
 

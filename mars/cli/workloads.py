@@ -1,8 +1,8 @@
 """``mars workloads generate|stats|validate|import``: the trace tools on the command line.
 
-``mars/cli.py`` calls :func:`register` on its subparsers; every leaf command sets ``func`` to
+``mars/cli/__init__.py`` calls :func:`register` on its subparsers; every leaf command sets ``func`` to
 a handler taking the parsed namespace and returning an exit code (0 ok, 1 bad trace or
-arguments). ``python3 -m mars.workloads.cli ...`` runs the same commands standalone.
+arguments). ``python3 -m mars.cli.workloads ...`` runs the same commands standalone.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 from pathlib import Path
 
-from .generator import REGIMES, generate, get_regime
-from .importer import CONDENSED_MODES, import_file
-from .importers import FORMATS as IMPORT_FORMATS
-from .plots import plot_regimes
-from .stats import by_family, format_groups, format_stats, group_stats, trace_stats
-from .trace import Trace, TraceError, read_trace, write_trace
-from mars.cli_types import positive_float as _positive_float
-from mars.cli_types import positive_int as _positive_int
+from mars.workloads.generator import REGIMES, generate, get_regime
+from mars.workloads.importer import CONDENSED_MODES, import_file
+from mars.workloads.importers import FORMATS as IMPORT_FORMATS
+from mars.workloads.plots import plot_regimes
+from mars.workloads.stats import by_family, format_groups, format_stats, group_stats, trace_stats
+from mars.workloads.trace import Trace, TraceError, read_trace, write_trace
+from mars.cli.types import positive_float as _positive_float
+from mars.cli.types import positive_int as _positive_int
 
 
 def _regime_help() -> str:
@@ -114,7 +114,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.plot:
         ideal = None
         if stm is not None:
-            from .ideal import estimate_isolated_s
+            from mars.workloads.ideal import estimate_isolated_s
 
             ideal = {lab: [estimate_isolated_s(x, stm) for x in t.tasks]
                      for lab, t in zip(labels, traces)}
@@ -278,7 +278,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry: ``python3 -m mars.workloads.cli workloads generate ...`` or without
+    """Standalone entry: ``python3 -m mars.cli.workloads workloads generate ...`` or without
     the leading ``workloads``."""
     parser = argparse.ArgumentParser(prog="mars")
     register(parser.add_subparsers(dest="command", required=True))

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 #: the repository root when installed editable (``pip install -e .``), as the set-up does
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def agents_python() -> Path:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mars.cli_types import positive_int as _positive_int
-from mars.cli_types import slacks as _slacks
+from mars.cli.types import positive_int as _positive_int
+from mars.cli.types import slacks as _slacks
 from mars.workloads.goodput import DEFAULT_SLACKS
 
 DEFAULT_GPU = "h100-nvl"
