@@ -54,12 +54,16 @@ def _ipc_path(srv) -> str:
     return os.path.join(tempfile.gettempdir(), f"mars-engine-{srv.port}.ipc")
 
 
-def _stream(url: str, job: str, max_tokens: int, on_chunk=None) -> tuple[int, list[dict], str]:
-    """Stream a completion; returns (chunks, error events, finish reason)."""
+def _stream(url: str, job: str, max_tokens: int, on_chunk=None,
+            usage: dict | None = None) -> tuple[int, list[dict], str]:
+    """Stream a completion; returns (chunks, error events, finish reason). A chunk can carry
+    several tokens (the API server merges what arrived together when it falls behind, as on
+    two busy cores): ``usage``, when given, receives the server's token counts."""
     chunks, errors, finish = 0, [], ""
     with httpx.stream("POST", url + "/v1/completions", headers=AUTH, timeout=120, json={
             "model": MODEL, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "vllm_xargs": {"job_id": job}}) as r:
+            "stream": True, "stream_options": {"include_usage": usage is not None},
+            "vllm_xargs": {"job_id": job}}) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -67,6 +71,10 @@ def _stream(url: str, job: str, max_tokens: int, on_chunk=None) -> tuple[int, li
             data = json.loads(line[6:])
             if "error" in data:
                 errors.append(data["error"])
+                continue
+            if not data.get("choices"):  # the usage chunk
+                if usage is not None and data.get("usage"):
+                    usage.update(data["usage"])
                 continue
             chunks += 1
             finish = data["choices"][0].get("finish_reason") or finish
@@ -122,14 +130,16 @@ def test_every_control_endpoint_needs_its_key(keyed):
 def test_engine_gauges_return_to_idle(keyed):
     """The engine snapshots its KV pool while it steps; once its last call ends it stops
     stepping, so it must publish the idle state then (or gauges keep the load forever)."""
-    chunks, errors, _ = _stream(keyed.url, "idle-1", 300)
-    assert chunks == 300 and not errors
+    usage: dict = {}
+    chunks, errors, finish = _stream(keyed.url, "idle-1", 300, usage=usage)
+    assert usage.get("completion_tokens") == 300 and finish == "length" and not errors, \
+        (chunks, usage, errors)
 
     def last_snapshot():
         snaps = read_events(keyed.events_file, "kv_snapshot")
         return snaps[-1] if snaps else None
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound, not a pace: it returns when published
     while time.monotonic() < deadline:
         snap = last_snapshot()
         if snap is not None and snap["running"] == 0:
