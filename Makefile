@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (see README): `make demo` and `make test`.
-.PHONY: demo test setup setup-agents unit check-cuda
+.PHONY: demo test setup setup-agents unit check check-cuda
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,12 @@ test: setup setup-agents
 
 unit: setup
 	.venv/bin/python -m pytest -q -m "not engine" --ignore=tests/agents
+
+# the tier for every commit (~2 min here): no engine, no slow fit, 120 of the 1,080 invariant
+# cases per scheduler class; `make test` runs everything
+check:
+	MARS_INVARIANT_CASES=120 .venv/bin/python -m pytest -q -p no:cacheprovider \
+	    -m "not engine and not slow" --ignore=tests/agents tests
 
 # resolve the CUDA install with pip --dry-run (network, ~3 min; not part of `make test`)
 check-cuda:

@@ -39,6 +39,7 @@ def _batches(seed: int = 0) -> list[tuple[tuple[int, int], ...]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_fit_recovers_the_coefficients_that_made_the_steps():
     truth = StepCoefficients(gemm_efficiency=0.15, attention_efficiency=0.3,
                              memory_efficiency=0.7, step_overhead_s=9e-4, layer_overhead_s=0.0,
@@ -57,6 +58,7 @@ def test_the_fit_recovers_the_coefficients_that_made_the_steps():
     assert c.step_overhead_s == pytest.approx(9e-4, rel=0.05)
 
 
+@pytest.mark.slow
 def test_noisy_steps_fit_within_their_noise():
     truth = StepCoefficients(step_overhead_s=1e-3, layer_overhead_s=0.0,
                              gemm_efficiency=0.2, attention_efficiency=0.25)
@@ -69,6 +71,7 @@ def test_noisy_steps_fit_within_their_noise():
                                "mean_mixed"}
 
 
+@pytest.mark.slow
 def test_an_engine_faster_than_the_measured_peaks_raises_the_peaks_not_the_rules():
     """Efficiencies stay in (0, 1]: what the engine exceeds is the measured peak (a CPU's
     caches beat its copy bandwidth), so the device's peak is raised instead."""
@@ -119,6 +122,7 @@ def test_kv_that_fits_the_cache_is_read_at_the_cache_rate():
         .step_time(big) == plain.step_time(big)
 
 
+@pytest.mark.slow
 def test_the_fit_finds_the_cache_the_steps_show():
     truth = StepCoefficients(gemm_efficiency=0.2, attention_efficiency=0.3,
                              memory_efficiency=0.3, step_overhead_s=9e-4, layer_overhead_s=0.0,

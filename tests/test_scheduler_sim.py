@@ -74,6 +74,7 @@ def test_fewer_preemptions_than_fcfs_under_fragmentation(tmp_path):
     assert mars.sched.mars_counters["preempted"] < fcfs.sched.mars_counters["preempted"]
 
 
+@pytest.mark.slow
 def test_agent_workload_preempts_less_than_fcfs_for_the_same_work(tmp_path):
     """Multi-round agent jobs (each round extends the previous context) on pools too small for
     them, over several pool sizes, token budgets and batch sizes: same steps for both policies,
