@@ -8,7 +8,7 @@ the executor's bookkeeping -- everything the emulation runs for real), their rat
 share of steps that ended late because the host work did not fit under the modeled step. The
 emulation is faithful while the ratio stays well below 1 and late steps stay rare.
 
-    .venv/bin/python experiments/bench_emulation.py --running 16,64,256
+    .venv/bin/python experiments/bench_emulation.py --running 16,64,256 [--no-async-scheduling]
 """
 
 from __future__ import annotations
@@ -85,10 +85,13 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=2000, help="prompt tokens per request")
     ap.add_argument("--window", type=float, default=10.0, help="seconds measured per point")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="the sync scheduler class (default: async, as vLLM on the card)")
     args = ap.parse_args()
+    extra = ["--no-async-scheduling"] if args.no_async_scheduling else []
     rows = []
     for n in (int(x) for x in args.running.split(",")):
-        srv = ServerProcess(args=["--emulate", args.emulate, "--no-sidecar"]).start()
+        srv = ServerProcess(args=["--emulate", args.emulate, "--no-sidecar", *extra]).start()
         try:
             model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
             rows.append(measure(srv, model, n, args.prompt, args.window))
@@ -96,7 +99,7 @@ def main() -> int:
             srv.stop()
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(f"Emulated engine's host CPU per step vs modeled step ({args.emulate}, EMULATED GPU; "
-          f"{args.prompt}-token prompts, decode)\n")
+          f"{'sync' if extra else 'async'} scheduling; {args.prompt}-token prompts, decode)\n")
     print("| running | modeled step (ms) | engine host CPU / step (ms) | host / modeled | "
           "late steps | mean lateness / step (ms) |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -117,3 +117,35 @@ def test_emulate_config_picks_the_step_model():
     with pytest.raises(SystemExit, match="step_model"):
         engine_args_for("h200:qwen3-coder-30b-a3b", "fcfs",
                         ["--emulate-config", json.dumps({"step_model": "vidur"})])
+
+
+def test_the_platform_plugin_answers_only_for_vllms_plain_cpu_platform(monkeypatch):
+    """Where vLLM would pick another platform (its ZenCpuPlatform on AMD Zen with zentorch,
+    or a GPU's) the plugin answers nothing, so that platform is not replaced."""
+    import vllm.platforms as platforms
+
+    from mars.vllm_patches import platform
+
+    for builtin, want in [("vllm.platforms.cpu.CpuPlatform", platform.QUALNAME),
+                          ("vllm.platforms.zen_cpu.ZenCpuPlatform", None), (None, None)]:
+        monkeypatch.setattr(platforms, "cpu_platform_plugin", lambda b=builtin: b)
+        assert platform.detect() == want, builtin
+
+
+def test_async_is_kept_for_the_emulated_executor_and_its_subclasses_only():
+    from types import SimpleNamespace
+
+    from mars.vllm_patches.emulated_executor import QUALNAME, EmulatedExecutor
+    from mars.vllm_patches.emulated_platform import runs_emulated_executor
+
+    class Mine(EmulatedExecutor):
+        pass
+
+    def cfg(backend):
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            distributed_executor_backend=backend))
+
+    assert runs_emulated_executor(cfg(QUALNAME))
+    assert runs_emulated_executor(cfg(EmulatedExecutor)) and runs_emulated_executor(cfg(Mine))
+    for other in ("mp", "uni", None, "vllm.v1.executor.uniproc_executor.UniProcExecutor"):
+        assert not runs_emulated_executor(cfg(other)), other

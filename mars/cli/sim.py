@@ -102,6 +102,17 @@ def point_config(args: argparse.Namespace, policy: str):
                      profile=args.profile)
 
 
+def scheduling_class(engine_args: str) -> str:
+    """The class the simulated engines will run: async (vLLM's default on a GPU) unless
+    asked for sync, or unless this process cannot keep it (the platform plugin did not
+    load: docs/emulation.md, *Pacing*)."""
+    from mars.vllm_patches.platform import emulated_async_available
+
+    if "--no-async-scheduling" in engine_args or not emulated_async_available():
+        return "sync"
+    return "async"
+
+
 def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
     from mars.emulate.measured import step_model_stamp
     from mars.workloads.ideal import trace_digest
@@ -118,8 +129,7 @@ def ideal_fields(args: argparse.Namespace, trace) -> dict[str, Any]:
             **({"profile_sha256": args.profile_sha256} if args.profile else {}),
             "engine_args": args.engine_args or "", "tool_cores": args.tool_cores,
             # async scheduling became the default after sync-only ideals were cached
-            "scheduling": "sync" if "--no-async-scheduling" in (args.engine_args or "")
-            else "async",
+            "scheduling": scheduling_class(args.engine_args or ""),
             "token_range": list(DEFAULT_TOKEN_RANGE), "seed": args.seed,
             **({"host": args.host_model.as_dict()}
                if getattr(args, "host_model", None) and args.host_model.active else {})}

@@ -128,12 +128,12 @@ class WallPacer(StepPacer):
     def launch(self, modeled_s: float) -> float:
         st = self.stats
         now, cpu = self._clock(), self._cpu()
-        busy = self._free_at is not None and self._launched > self._waited
-        if busy:
-            # the device still runs an earlier step: the host work since the last launch
-            # overlapped it; any gap between that step's end and this launch is the device
-            # waiting for the host
+        if self._free_at is not None:
+            # the engine's own work since the last launch (it overlapped the device)
             st.host_cpu_s += max(0.0, cpu - self._cpu_at_launch)
+        if self._free_at is not None and self._launched > self._waited:
+            # an earlier step was still unread: a gap between its end and this launch is
+            # the device waiting for the host
             gap = now - self._free_at
             if gap > 0:
                 st.late_steps += 1

@@ -210,7 +210,9 @@ class Simulation:
                     "slacks": list(cfg.slacks)},
             run={"start_unix": t0, "end_unix": t1, "wall_s": t1 - t0, "interrupted": False,
                  "simulated": True, "sim_wall_s": round(time.monotonic() - wall0, 3),
-                 "engine_steps": eng.pacer_stats.steps - steps0, "command": list(sys.argv)},
+                 "engine_steps": eng.pacer_stats.steps - steps0,
+                 "scheduling": "async" if eng.async_scheduling else "sync",
+                 "command": list(sys.argv)},
             tasks=[r.result for r in runs],
             server_metrics={"vllm:num_preemptions_total":
                             float(eng.counters()["preempted"] - preempt0)},

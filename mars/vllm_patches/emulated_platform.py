@@ -15,15 +15,22 @@ from __future__ import annotations
 
 from vllm.platforms.cpu import CpuPlatform
 
-EXECUTOR = "mars.vllm_patches.emulated_executor.EmulatedExecutor"
-
-
 def runs_emulated_executor(vllm_config) -> bool:
+    """The executor is ours (or a subclass): a class, or the qualified name vLLM accepts in
+    ``--distributed-executor-backend``; vLLM's own backend names ("mp", "uni", "ray") are
+    not."""
     backend = vllm_config.parallel_config.distributed_executor_backend
     if isinstance(backend, str):
-        return backend == EXECUTOR
-    return isinstance(backend, type) and \
-        f"{backend.__module__}.{backend.__qualname__}" == EXECUTOR
+        if "." not in backend:
+            return False
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        backend = resolve_obj_by_qualname(backend)
+    if not isinstance(backend, type):
+        return False
+    from mars.vllm_patches.emulated_executor import EmulatedExecutor
+
+    return issubclass(backend, EmulatedExecutor)
 
 
 class EmulationAwareCpuPlatform(CpuPlatform):

@@ -256,8 +256,8 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
         tokens = args.max_num_batched_tokens if given(argv, "--max-num-batched-tokens") \
             else GPU_MAX_NUM_BATCHED_TOKENS
         # the in-flight tokens a sliding-window group reserves, as the real GPU counts them
-        # (two steps under async scheduling, its default; conservative for the emulated
-        # engine, which schedules synchronously for now)
+        # (two steps under async scheduling, its default and the emulated GPU's; one step
+        # under --no-async-scheduling, for which this is conservative)
         args.max_model_len = min(m.max_model_len,
                                  m.max_sequence_tokens(budget, block, 2 * tokens))
     # the embedded model's own limit is 64K positions; nothing runs it
