@@ -145,7 +145,6 @@ COMMANDS_ELSEWHERE = {"mars.workloads.replay_cli", "mars.sidecar.cli", "mars.sid
 #: a new one fails, and so does a fixed one still listed)
 KNOWN_LIBRARY_TO_COMMAND = {
     "mars.sim.control": ["mars.sidecar.cli"],  # builds the sidecar's config from argv
-    "mars.vllm_patches.serve": ["mars.sidecar.cli"],  # reads two env-variable names
 }
 
 

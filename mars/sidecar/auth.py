@@ -38,6 +38,11 @@ EVENTS_PATH = "/v1/mars/events"
 OPEN_PATHS = frozenset({"/v1/mars/health", "/health", "/ping", "/version"})
 METRICS_PATH = "/metrics"
 
+#: how ``mars-vllm serve`` hands its keys to the sidecar child (newline-separated; the
+#: environment, not argv, so that they do not show in ``ps``)
+KEYS_ENV = "MARS_SIDECAR_API_KEYS"
+EVENTS_KEYS_ENV = "MARS_EVENTS_API_KEY"
+
 
 class Access(enum.Enum):
     OPEN = "open"

@@ -21,6 +21,7 @@ from mars.policy.admission import AdmissionConfig
 from mars.policy.window import AIMDConfig
 from mars.policy.packing import PackConfig
 from mars.policy.pressure import PressureConfig
+from mars.sidecar.auth import EVENTS_KEYS_ENV, KEYS_ENV
 from mars.sidecar.config import SidecarConfig, engine_events_for
 
 _SUB = {"aimd": AIMDConfig, "packing": PackConfig, "pressure": PressureConfig}
@@ -143,10 +144,6 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
     return AdmissionConfig(**raw, **{k: _SUB[k](**v) for k, v in subs.items()})
 
 
-#: how ``mars-vllm serve`` hands its keys to the sidecar child (newline-separated; the
-#: environment, not argv, so that they do not show in ``ps``)
-KEYS_ENV = "MARS_SIDECAR_API_KEYS"
-EVENTS_KEYS_ENV = "MARS_EVENTS_API_KEY"
 
 
 def _env_keys(*names: str) -> tuple[str, ...]:

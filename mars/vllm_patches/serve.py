@@ -442,11 +442,11 @@ def start_sidecar(args: argparse.Namespace):
     # keys travel in the environment, not argv (``ps`` shows argv to every local user)
     env = dict(os.environ)
     if getattr(args, "api_key", None):
-        from mars.sidecar.cli import KEYS_ENV
+        from mars.sidecar.auth import KEYS_ENV
 
         env[KEYS_ENV] = "\n".join(args.api_key)
     if getattr(args, "mars_events_api_key", None):
-        from mars.sidecar.cli import EVENTS_KEYS_ENV
+        from mars.sidecar.auth import EVENTS_KEYS_ENV
 
         env[EVENTS_KEYS_ENV] = args.mars_events_api_key
     proc = subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),))
