@@ -139,8 +139,7 @@ def _graph() -> dict[str, set[str]]:
 
 #: commands that still live with their component (issue #33 moves them into mars/cli/ once
 #: the library code that imports them is split off)
-COMMANDS_ELSEWHERE = {"mars.workloads.replay_cli", "mars.sidecar.cli", "mars.sidecar.__main__",
-                      "mars.bench"}
+COMMANDS_ELSEWHERE = {"mars.sidecar.cli", "mars.sidecar.__main__", "mars.bench"}
 #: the library -> command arrows left, each to be removed from here as it is cut (a ratchet:
 #: a new one fails, and so does a fixed one still listed)
 KNOWN_LIBRARY_TO_COMMAND = {

@@ -544,7 +544,7 @@ def test_plots_are_written(tmp_path):
 
 
 def test_trace_file_replay_arguments(tmp_path):
-    from mars.workloads.replay_cli import build_trace
+    from mars.cli.replay import build_trace
     import argparse
 
     trace = _tiny_trace(2)

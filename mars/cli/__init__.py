@@ -2,7 +2,7 @@
 it drives (``emulate``, ``sim``, ``workloads``, ``demo``, ``openhands``; shared argument types
 in :mod:`mars.cli.types`); this file only wires them. Three commands still live with their
 component while library code imports from their modules (``mars replay``:
-``mars.workloads.replay_cli``; ``mars sidecar``: ``mars.sidecar.cli``; ``mars bench``:
+``mars.cli.replay``; ``mars sidecar``: ``mars.sidecar.cli``; ``mars bench``:
 ``mars.bench``): issue #33 moves them once those imports are split off.
 
 Imports are lazy so that ``mars --help`` and the light subcommands stay fast and so that the
@@ -96,7 +96,7 @@ def _register_optional(sub) -> None:
     """Subcommands owned by other components register themselves here."""
     import importlib
 
-    for mod in ("mars.cli.workloads", "mars.workloads.replay_cli", "mars.sidecar.cli",
+    for mod in ("mars.cli.workloads", "mars.cli.replay", "mars.sidecar.cli",
                 "mars.bench", "mars.cli.demo", "mars.cli.openhands", "mars.cli.emulate",
                 "mars.cli.sim"):
         try:

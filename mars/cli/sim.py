@@ -193,7 +193,7 @@ def _quiet_vllm() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mars.workloads.replay_cli import build_trace
+    from mars.cli.replay import build_trace
     from mars.workloads.results import format_report, read_results
     from mars.workloads.trace import TraceError, dumps_trace, write_trace
 
@@ -284,7 +284,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     from mars.workloads.generator import REGIMES
-    from mars.workloads.replay_cli import add_trace_arguments
+    from mars.cli.replay import add_trace_arguments
 
     p = sub.add_parser(
         "sim", help="simulate agent workloads on an emulated GPU in virtual time",

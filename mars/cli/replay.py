@@ -21,13 +21,13 @@ from typing import Any
 
 from mars.workloads.goodput import DEFAULT_SLACKS
 
-from .generator import REGIMES, compress_time, generate, scale_trace
-from .httpclient import ReplayError
-from .ideal import cache_dir, ideal_key, load_cached, load_ideal_file, save_cached
-from .prompts import DEFAULT_TOKEN_RANGE, parse_token_range
-from .results import ResultsError, RunResult, format_report, read_results, write_results
-from .toolpool import BURN_MODES
-from .trace import Trace, TraceError, read_trace, write_trace
+from mars.workloads.generator import REGIMES, compress_time, generate, scale_trace
+from mars.workloads.httpclient import ReplayError
+from mars.workloads.ideal import cache_dir, ideal_key, load_cached, load_ideal_file, save_cached
+from mars.workloads.prompts import DEFAULT_TOKEN_RANGE, parse_token_range
+from mars.workloads.results import ResultsError, RunResult, format_report, read_results, write_results
+from mars.workloads.toolpool import BURN_MODES
+from mars.workloads.trace import Trace, TraceError, read_trace, write_trace
 from mars.cli.types import cores as _cores
 from mars.cli.types import positive_float as _positive_float
 from mars.cli.types import positive_int as _positive_int
@@ -127,7 +127,7 @@ def _out_dir(args: argparse.Namespace, trace: Trace) -> Path:
 
 async def _replay_main(args: argparse.Namespace, trace: Trace,
                        early: _EarlyInterrupt | None = None) -> int:
-    from .replay import ReplayConfig, ReplaySession
+    from mars.workloads.replay import ReplayConfig, ReplaySession
 
     out = _out_dir(args, trace)
     if args.virtual_tool_cores:
@@ -171,8 +171,8 @@ async def _replay_main(args: argparse.Namespace, trace: Trace,
               f"{sum(t.num_rounds for t in trace)} rounds -> {srv.url} (model {srv.model}, "
               f"max_model_len {srv.max_model_len}, sidecar {'yes' if srv.sidecar else 'no'}); "
               f"{tools}", file=sys.stderr)
-        from .ideal import trace_digest
-        from .trace import dumps_trace
+        from mars.workloads.ideal import trace_digest
+        from mars.workloads.trace import dumps_trace
 
         key_fields = {
             "trace_sha256": trace_digest(dumps_trace(trace)), "model": srv.model,
@@ -239,8 +239,8 @@ def _finish(args: argparse.Namespace, trace: Trace, out: Path, result: RunResult
             result.files["ideal_results"] = str(out / "ideal_results.json")
     if not args.no_plots:
         try:
-            from .eventlink import read_events
-            from .plots import write_run_plots
+            from mars.workloads.eventlink import read_events
+            from mars.workloads.plots import write_run_plots
 
             evs = read_events(result.files["events"]) if "events" in result.files else []
             result.files.update(write_run_plots(result, out / "plots", evs))
@@ -279,7 +279,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         print(format_report(results, names, slacks=args.slacks))
     if args.plot:
-        from .plots import plot_latency_cdf
+        from mars.workloads.plots import plot_latency_cdf
 
         plot_latency_cdf(results, args.plot, names)
         print(f"\nlatency CDF: {args.plot}", file=sys.stderr)
