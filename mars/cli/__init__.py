@@ -1,9 +1,9 @@
 """The ``mars`` command: every subcommand's module sits in this folder, above the libraries
-it drives (``emulate``, ``sim``, ``workloads``, ``demo``, ``openhands``; shared argument types
-in :mod:`mars.cli.types`); this file only wires them. Three commands still live with their
-component while library code imports from their modules (``mars replay``:
-``mars.cli.replay``; ``mars sidecar``: ``mars.sidecar.cli``; ``mars bench``:
-``mars.bench``): issue #33 moves them once those imports are split off.
+it drives (``emulate``, ``sim``, ``workloads``, ``replay``, ``demo``, ``openhands``; shared
+argument types in :mod:`mars.cli.types`); this file only wires them. Two commands still live
+with their component (``mars sidecar``: ``mars.sidecar.cli``, whose parser the simulator
+builds the sidecar's config through; ``mars bench``: ``mars.bench``): issue #33 moves them
+once that is split off.
 
 Imports are lazy so that ``mars --help`` and the light subcommands stay fast and so that the
 command works in environments that lack vLLM (the agent environment) for what does not need it.

@@ -91,11 +91,11 @@ class WallPacer(StepPacer):
         self._wall_at_end = 0.0
         self._start = self._cpu_at_start = 0.0
         self._hidden = 0.0
-        # async: when the device finishes the last step launched, and the steps launched /
-        # waited for (a launch with one outstanding finds the device busy)
+        # async: when the device finishes the last step launched, and the steps launched
+        # whose outputs are still unread
         self._free_at: float | None = None
         self._cpu_at_launch = 0.0
-        self._launched = self._waited = 0
+        self._unread = 0
 
     def begin(self) -> None:
         self._start, self._cpu_at_start = self._clock(), self._cpu()
@@ -131,23 +131,21 @@ class WallPacer(StepPacer):
         if self._free_at is not None:
             # the engine's own work since the last launch (it overlapped the device)
             st.host_cpu_s += max(0.0, cpu - self._cpu_at_launch)
-        if self._free_at is not None and self._launched > self._waited:
-            # an earlier step was still unread: a gap between its end and this launch is
-            # the device waiting for the host
-            gap = now - self._free_at
-            if gap > 0:
+            if self._unread and now > self._free_at:
+                # an earlier step was still unread: the gap between its end and this launch
+                # is the device waiting for the host
                 st.late_steps += 1
-                st.late_s += gap
+                st.late_s += now - self._free_at
         start = max(now, self._free_at or now)
         self._free_at = start + modeled_s
         self._cpu_at_launch = cpu
-        self._launched += 1
+        self._unread += 1
         st.steps += 1
         st.modeled_s += modeled_s
         return self._free_at
 
     def wait(self, done_at: float) -> None:
-        self._waited += 1
+        self._unread -= 1
         left = done_at - self._clock()
         if left > 0:
             self._sleep(left)

@@ -144,8 +144,6 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
     return AdmissionConfig(**raw, **{k: _SUB[k](**v) for k, v in subs.items()})
 
 
-
-
 def _env_keys(*names: str) -> tuple[str, ...]:
     for name in names:
         value = os.environ.get(name)

@@ -15,22 +15,17 @@ from __future__ import annotations
 
 from vllm.platforms.cpu import CpuPlatform
 
-def runs_emulated_executor(vllm_config) -> bool:
-    """The executor is ours (or a subclass): a class, or the qualified name vLLM accepts in
-    ``--distributed-executor-backend``; vLLM's own backend names ("mp", "uni", "ray") are
-    not."""
-    backend = vllm_config.parallel_config.distributed_executor_backend
-    if isinstance(backend, str):
-        if "." not in backend:
-            return False
-        from vllm.utils.import_utils import resolve_obj_by_qualname
 
-        backend = resolve_obj_by_qualname(backend)
-    if not isinstance(backend, type):
-        return False
+def runs_emulated_executor(vllm_config) -> bool:
+    """The executor is ours (or a subclass), resolved by vLLM's own ``Executor.get_class``:
+    the resolution ``VllmConfig`` decided async scheduling from."""
+    if vllm_config.parallel_config.distributed_executor_backend is None:
+        return False  # not resolved yet (VllmConfig sets it before the platform hook)
+    from vllm.v1.executor.abstract import Executor
+
     from mars.vllm_patches.emulated_executor import EmulatedExecutor
 
-    return issubclass(backend, EmulatedExecutor)
+    return issubclass(Executor.get_class(vllm_config), EmulatedExecutor)
 
 
 class EmulationAwareCpuPlatform(CpuPlatform):

@@ -156,11 +156,6 @@ class SimEngine:
         vLLM's busy loop asks the same."""
         return self.scheduler.has_requests() or bool(self.core.batch_queue)
 
-    @property
-    def in_flight(self) -> int:
-        """Steps launched whose outputs the scheduler has not had yet (async only)."""
-        return len(self.core.batch_queue or ())
-
     # ------------------------------------------------------------------ steps
     def step(self) -> list[StepOutput]:
         """One pass of vLLM's engine loop: schedule and run a step (sync: the clock advances
