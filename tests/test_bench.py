@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from mars.bench.report import compare, format_tables, write_plots
-from mars.bench.runner import cut_rounds, replay_progress
+from mars.bench.observe import replay_progress
+from mars.bench.plan import cut_rounds
 from mars.policy.registry import POLICY_NAMES, get_policy
 from tests.conftest import BASE_ARGS
 

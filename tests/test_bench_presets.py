@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from mars.bench import BenchError, config_from_args, format_tables, register
+from mars.bench import BenchError, format_tables
+from mars.cli.bench import config_from_args, register
 from mars.bench.presets import FIVE, PRESETS, SEVEN, get_preset
 
 

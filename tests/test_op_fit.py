@@ -14,7 +14,7 @@ import pytest
 
 from mars.cli import main
 from mars.emulate.op_fit import OpPredictor, OpTiming, OpTimings, fit_op_efficiencies
-from mars.emulate.op_timing import FORMAT, OpGrid
+from mars.emulate.op_grid import FORMAT, OpGrid
 from mars.emulate.specs import get_gpu, get_model
 from mars.emulate.step_time import StepCoefficients
 
@@ -194,7 +194,7 @@ def test_the_expanded_kv_fallback_runs_and_is_recorded(tmp_path):
 def test_the_default_grid_fits_a_lent_h100(model):
     """The grid run on a GPU: its largest operand set (BF16, rotated copies past a 50 MB
     L2) leaves most of an 80 GB H100 free, and it reaches the paper's contexts."""
-    from mars.emulate.op_timing import largest_operands
+    from mars.emulate.op_grid import largest_operands
 
     m, g = get_model(model), OpGrid()
     assert largest_operands(m, g, 2, cache_bytes=50 * 2**20) < 16 * 2**30

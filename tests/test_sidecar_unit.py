@@ -517,7 +517,7 @@ def test_keys_come_from_flags_then_the_environment(monkeypatch):
     its keys over in ``$MARS_SIDECAR_API_KEYS`` (newline-separated); a flag wins over both."""
     import argparse
 
-    from mars.sidecar.cli import add_arguments, config_from_args
+    from mars.cli.sidecar import add_arguments, config_from_args
 
     def cfg(*argv: str):
         p = argparse.ArgumentParser()
@@ -534,3 +534,32 @@ def test_keys_come_from_flags_then_the_environment(monkeypatch):
     monkeypatch.setenv("MARS_EVENTS_API_KEY", "ev")
     assert cfg().events_api_keys == ("ev",)
     assert cfg("--api-key", "flag").api_keys == ("flag",)
+
+
+def test_the_simulator_configures_the_sidecar_as_its_command_line_does():
+    """``mars sim`` builds the sidecar's configuration without the parser; what the control
+    plane reads of it must be what ``mars sidecar`` makes of the flags ``mars-vllm serve``
+    passes (the admission switch, the tool cores, the engine's block size)."""
+    import argparse
+    import dataclasses
+    import json
+
+    from mars.cli.sidecar import add_arguments, config_from_args
+    from mars.sim.control import sidecar_config
+
+    for admission, cores, block in ((True, 4, 16), (False, 8, 32), (True, 3, 128)):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        served = config_from_args(p.parse_args([
+            "--upstream", "http://127.0.0.1:1", "--admission", "on" if admission else "off",
+            "--admission-config", json.dumps({"packing": {"block_size": block}}),
+            "--tool-cores", str(cores)]))
+        sim = sidecar_config(admission, cores, block)
+        assert sim.admission_config == served.admission_config
+        assert sim.admission_config.packing.block_size == block
+        assert sim.admission_config.pressure.tool_cores == cores
+        skip = {"upstream", "engine_events", "api_keys", "events_api_keys"}
+        assert {f.name: getattr(sim, f.name) for f in dataclasses.fields(sim)
+                if f.name not in skip} == {f.name: getattr(served, f.name)
+                                           for f in dataclasses.fields(served)
+                                           if f.name not in skip}

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .report import compare, format_tables, point_index, rate_key, write_plots
-from .runner import _finite
+from .record import finite
 
 __all__ = ["combine", "seed_dir", "seed_table", "write_combined"]
 
@@ -203,7 +203,7 @@ def write_combined(out: Path, seeds: Sequence[int], command: str) -> dict[str, A
     if plots:
         lines += ["Plots: " + ", ".join(f"`{Path(v).relative_to(out)}`" for v in plots.values())]
     doc["files"] = {"report": str(out / "report.md"), **plots}
-    (out / "bench.json").write_text(json.dumps(_finite(doc), indent=1) + "\n")
+    (out / "bench.json").write_text(json.dumps(finite(doc), indent=1) + "\n")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return doc
 

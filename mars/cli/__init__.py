@@ -1,9 +1,7 @@
 """The ``mars`` command: every subcommand's module sits in this folder, above the libraries
-it drives (``emulate``, ``sim``, ``workloads``, ``replay``, ``demo``, ``openhands``; shared
-argument types in :mod:`mars.cli.types`); this file only wires them. Two commands still live
-with their component (``mars sidecar``: ``mars.sidecar.cli``, whose parser the simulator
-builds the sidecar's config through; ``mars bench``: ``mars.bench``): issue #33 moves them
-once that is split off.
+it drives (``sidecar``, ``bench``, ``sim``, ``replay``, ``workloads``, ``emulate``, ``demo``,
+``openhands``; shared argument types in :mod:`mars.cli.types`); this file only wires them.
+Libraries below take typed configurations, never argv (``tests/test_layering.py``).
 
 Imports are lazy so that ``mars --help`` and the light subcommands stay fast and so that the
 command works in environments that lack vLLM (the agent environment) for what does not need it.
@@ -96,8 +94,8 @@ def _register_optional(sub) -> None:
     """Subcommands owned by other components register themselves here."""
     import importlib
 
-    for mod in ("mars.cli.workloads", "mars.cli.replay", "mars.sidecar.cli",
-                "mars.bench", "mars.cli.demo", "mars.cli.openhands", "mars.cli.emulate",
+    for mod in ("mars.cli.workloads", "mars.cli.replay", "mars.cli.sidecar",
+                "mars.cli.bench", "mars.cli.demo", "mars.cli.openhands", "mars.cli.emulate",
                 "mars.cli.sim"):
         try:
             module = importlib.import_module(mod)

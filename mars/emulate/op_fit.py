@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.emulate.fit import LOSS_SCALE, nelder_mead, robust_loss, summarize
-from mars.emulate.op_timing import FORMAT as TIMINGS_FORMAT, LAYER, OPS, OpTiming
+from mars.emulate.op_grid import FORMAT as TIMINGS_FORMAT, LAYER, OPS, OpTiming
 from mars.emulate.specs import GpuSpec, ModelSpec
 from mars.emulate.step_time import StepCoefficients, StepTimeModel
 

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mars.emulate.interp import LogCurve, log_lerp
-from mars.emulate.op_timing import OpTiming
+from mars.emulate.op_grid import OpTiming
 from mars.emulate.specs import GpuSpec, ModelSpec
 from mars.emulate.step_time import StepCoefficients
 

@@ -1,10 +1,6 @@
-"""Timing one layer's operators of a model's real shapes with PyTorch, to fit a GPU profile.
-
-The shipped GPU profiles price a step from spec-sheet peaks and efficiency factors taken from
-other simulators (docs/emulation.md). Where a GPU is at hand, but vLLM is not, this module
-times the operators the step-time model prices, at the model's **real shapes**, on that
-device, and writes the timings as JSON; :mod:`mars.emulate.op_fit` then fits the model's
-efficiency factors to them (on any machine, no torch needed there)::
+"""Timing one layer's operators of a model's real shapes with PyTorch, on a GPU without vLLM:
+what the measured step-time model's tables are packed from (``scripts/pack_gpu_tables.py``)
+and what ``mars emulate fit-ops`` fits the roofline's efficiencies to (any machine, no torch)::
 
     python3 -m mars.emulate.op_timing --model qwen3-coder-30b-a3b --out ops-qwen.json
     mars emulate fit-ops ops-qwen.json        # the profile follows the device name
@@ -30,8 +26,9 @@ sampling, output processing) is here, so the per-step, per-layer and per-request
 are not fitted. Each operand is rotated over enough copies to exceed the device's last-level
 cache several times, as in a real forward pass where other layers' weights evict it.
 
-Imports only the standard library and :mod:`mars.emulate.specs` at module level; torch is
-imported when timing starts, so the file can travel to a GPU machine that has PyTorch alone.
+What is timed and the file format: :mod:`mars.emulate.op_grid`; how one time is taken:
+:mod:`mars.emulate.op_clock`. Imports only the standard library and those at module level;
+torch is imported when timing starts, so it runs on a GPU machine that has PyTorch alone.
 """
 
 from __future__ import annotations
@@ -44,226 +41,26 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mars.emulate.specs import ModelSpec, get_model, model_from_hf_config
-
-FORMAT = "mars-op-timings/1"
-#: operand copies are rotated until they exceed the last-level cache this many times
-_CACHE_MULTIPLE = 4
-_MAX_COPIES = 64
-#: where the last-level cache is taken to be when the device does not report it (bytes)
-_DEFAULT_CACHE = 32 * 2**20
-#: expanded K/V (where the backend has no grouped-query path) beyond this is not timed
-#: (bytes)
-MAX_EXPANDED_KV_BYTES = 24 * 2**30
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-#: the operators timed, each one term of the step-time model for one layer
-OPS = ("projections", "moe", "attention", "logits")
-#: a whole decoder layer's forward (norms, rotary, attention, routing, experts, residuals):
-#: the check that the operators sum to the layer, not an input of any fit
-LAYER = "layer"
-#: FlashAttention-3 against FlashAttention-2, forward, BF16, H100 SXM5: 1.5-2.0x
-#: (Shah et al., "FlashAttention-3", 2024, Fig. 5; up to 740 TFLOP/s). vLLM runs FA3 on
-#: Hopper, PyTorch's kernels are FA2-class: the gap is recorded beside the timings, not
-#: applied to them (docs/emulation.md)
-FA3_SPEEDUP = (1.5, 2.0)
-
-
-@dataclass(frozen=True, slots=True)
-class OpTiming:
-    """One timed operator of one layer: what ran and how long it took."""
-
-    op: str
-    seconds: float
-    tokens: int = 0
-    requests: int = 0
-    new: int = 0
-    context: int = 0
-    #: K/V read with their own heads (False: expanded to the query heads before the kernel)
-    gqa: bool = True
-    #: timed as a CUDA graph replay (False: eager launches, or not CUDA)
-    graph: bool = False
-    #: attention: which kernel was fastest and kept ("flash", "cudnn", "efficient",
-    #: "split" = flash over the cache plus the causal chunk, merged; "" elsewhere)
-    kernel: str = ""
-
-    def batch(self) -> list[tuple[int, int]]:
-        """The step-time model's batch for this operator."""
-        if self.op in ("projections", "moe"):
-            return [(self.tokens, 0)]
-        if self.op in ("attention", LAYER):
-            return [(self.new, self.context)] * self.requests
-        return [(1, 0)] * self.requests  # logits: one last token per request
-
-
-@dataclass(frozen=True)
-class OpGrid:
-    """The points timed. The default spans what the paper's set-ups run: single decodes to
-    256-request batches, 1K to 128K-token contexts, and vLLM's 8K-token prefill chunks."""
-
-    #: tokens per step for the projections and the experts
-    tokens: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 2048, 4096, 6144, 8192, 12288)
-    #: decode batches and the context each request attends to
-    decode_batches: tuple[int, ...] = (1, 8, 32, 128, 256)
-    contexts: tuple[int, ...] = (1024, 8192, 32768, 131072)
-    #: prefill chunks, over no cached context and over each of ``contexts``
-    prefill_chunks: tuple[int, ...] = (512, 2048, 8192)
-    #: requests whose last token goes through the LM head
-    logits_requests: tuple[int, ...] = (1, 16, 64, 256)
-    #: the most KV tokens one attention point may hold (per layer), to bound memory
-    max_kv_tokens: int = 4_200_000
-    warmup: int = 3
-    repeats: int = 10
-    #: the square GEMM and the copy that measure the device's own peaks
-    peak_gemm: int = 8192
-    peak_copy_bytes: int = 2 * 2**30
-
-    #: whole-layer timings ``(requests, new, context)``: decodes and prefill chunks
-    layers: tuple[tuple[int, int, int], ...] = ((1, 1, 4096), (32, 1, 4096), (256, 1, 4096),
-                                               (1, 2048, 0), (1, 8192, 0), (1, 2048, 16384))
-
-    @classmethod
-    def quick(cls) -> OpGrid:
-        """A small grid for a CPU and the tests (seconds on a small model)."""
-        return cls(tokens=(1, 8, 64), decode_batches=(1, 4), contexts=(256, 1024),
-                   prefill_chunks=(64,), logits_requests=(1, 8), max_kv_tokens=65536,
-                   warmup=1, repeats=3, peak_gemm=512, peak_copy_bytes=32 * 2**20,
-                   layers=((1, 1, 256), (4, 1, 256), (1, 64, 0), (1, 64, 256)))
-
-    @classmethod
-    def dense(cls) -> OpGrid:
-        """The grid the shipped tables were measured on (``shared/gpu-timings``, 189 points
-        per model, under a minute per model on an H100): what the measured step-time model
-        interpolates."""
-        return cls(tokens=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
-                           1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384),
-                   decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                   contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
-                   prefill_chunks=(256, 512, 1024, 2048, 4096, 8192),
-                   logits_requests=(1, 4, 16, 64, 128, 256))
-
-    def attention_points(self, max_len: int) -> list[tuple[int, int, int]]:
-        """``(requests, new, context)`` for every decode and prefill point that fits."""
-        pts: list[tuple[int, int, int]] = []
-
-        def add(p: tuple[int, int, int]) -> None:
-            if p not in pts:
-                pts.append(p)
-
-        # a context past the model's limit is taken at the limit (gpt-oss: 131072 positions)
-        for c in self.contexts:
-            for b in self.decode_batches:
-                cc = min(c, max_len - 1)
-                if b * (cc + 1) <= self.max_kv_tokens:
-                    add((b, 1, cc))
-        for n in self.prefill_chunks:
-            for c in (0, *self.contexts):
-                cc = max(0, min(c, max_len - n))
-                if cc + n <= min(max_len, self.max_kv_tokens):
-                    add((1, n, cc))
-        return pts
-
-
-def largest_operands(model: ModelSpec, grid: OpGrid, dtype_bytes: int,
-                     cache_bytes: int = _DEFAULT_CACHE) -> int:
-    """Bytes of the largest set of operands one point of ``grid`` holds at once (with its
-    rotated copies): what the device's memory must hold, with room to spare."""
-    def with_copies(b: float) -> float:
-        return b * max(1, min(_MAX_COPIES, math.ceil(_CACHE_MULTIPLE * cache_bytes / b)))
-
-    el = dtype_bytes
-    sizes = [with_copies(model.attn_params * el), with_copies(model.hidden * model.vocab * el)]
-    if model.num_experts:
-        sizes.append(with_copies(model.num_experts * model.expert_params * el))
-    for b, n, c in grid.attention_points(model.max_model_len):
-        sizes.append(with_copies(2 * b * (c + n) * model.num_kv_heads * model.head_dim * el))
-    return int(max(sizes))
-
-
-class _Clock:
-    """Seconds per call of ``fn``: on CUDA, device events around the calls replayed as one
-    CUDA graph (vLLM runs decode steps as graphs, so the host's launch gaps are not the
-    GPU's time; eager launches where capture fails), else the wall clock."""
-
-    def __init__(self, torch, device, graphs: bool = True) -> None:
-        self.torch, self.device = torch, device
-        self.cuda = device.type == "cuda"
-        self.graphs = graphs and self.cuda
-        #: whether the last timing ran as a CUDA graph
-        self.graphed = False
-
-    #: timed passes per point; the median is kept (clocks ramp, neighbours interfere)
-    PASSES = 3
-
-    def per_call(self, fn: Callable[[int], Any], warmup: int, repeats: int) -> float:
-        """``repeats`` consecutive calls ``fn(0) .. fn(repeats - 1)`` (each may use its own
-        operand copy), timed :attr:`PASSES` times; the median per call."""
-        self.graphed = False
-        if self.graphs:
-            try:
-                return self._graphed(fn, warmup, repeats)
-            except (RuntimeError, NotImplementedError):
-                # a failed capture can leave its stream current: restore the default one,
-                # and launch eagerly from now on rather than retrying capture at every point
-                t = self.torch.cuda
-                t.synchronize()
-                t.set_stream(t.default_stream(self.device))
-                self.graphs = False
-        for i in range(warmup):
-            fn(i)
-        return self._median(lambda: self._eager(fn, repeats)) / repeats
-
-    def _median(self, one_pass: Callable[[], float]) -> float:
-        return sorted(one_pass() for _ in range(self.PASSES))[self.PASSES // 2]
-
-    def _eager(self, fn: Callable[[int], Any], repeats: int) -> float:
-        if self.cuda:
-            t = self.torch.cuda
-            t.synchronize()
-            start, end = t.Event(enable_timing=True), t.Event(enable_timing=True)
-            start.record()
-            for i in range(repeats):
-                fn(i)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for i in range(repeats):
-            fn(i)
-        return time.perf_counter() - t0
-
-    def _graphed(self, fn: Callable[[int], Any], warmup: int, repeats: int) -> float:
-        t = self.torch.cuda
-        side = t.Stream()
-        side.wait_stream(t.current_stream())
-        with t.stream(side):  # warm up off the default stream, as capture requires
-            for i in range(max(1, warmup)):
-                fn(i)
-        t.current_stream().wait_stream(side)
-        graph = t.CUDAGraph()
-        with t.graph(graph):
-            for i in range(repeats):
-                fn(i)
-        graph.replay()
-        t.synchronize()
-
-        def one_pass() -> float:
-            start, end = t.Event(enable_timing=True), t.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        s = self._median(one_pass) / repeats
-        self.graphed = True
-        return s
-
+from mars.emulate.op_clock import DeviceClock
+from mars.emulate.op_grid import (
+    CACHE_MULTIPLE,
+    DEFAULT_CACHE,
+    DTYPE_BYTES,
+    FA3_SPEEDUP,
+    FORMAT,
+    LAYER,
+    MAX_COPIES,
+    MAX_EXPANDED_KV_BYTES,
+    OpGrid,
+    OpTiming,
+    largest_operands,
+    load_model,
+)
+from mars.emulate.specs import ModelSpec
 
 class OpTimer:
     """Times one layer's operators of ``model`` on ``device`` (a torch device string)."""
@@ -273,15 +70,15 @@ class OpTimer:
                  progress: Callable[[str], None] | None = None, graphs: bool = True) -> None:
         import torch
 
-        if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         self.torch, self.model = torch, model
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("no CUDA device is visible to PyTorch (use --device cpu)")
         self.dtype, self.dtype_name = getattr(torch, dtype), dtype
         self.grid = grid or OpGrid()
-        self.clock = _Clock(torch, self.device, graphs)
+        self.clock = DeviceClock(torch, self.device, graphs)
         torch.manual_seed(seed)  # operands are drawn on the device
         self.gen = torch.Generator(device="cpu").manual_seed(seed)  # routing
         self._weights: dict[str, list] = {}
@@ -298,8 +95,8 @@ class OpTimer:
     def _cache_bytes(self) -> int:
         if self.device.type == "cuda":
             props = self.torch.cuda.get_device_properties(self.device)
-            return int(getattr(props, "L2_cache_size", 0) or _DEFAULT_CACHE)
-        return _DEFAULT_CACHE
+            return int(getattr(props, "L2_cache_size", 0) or DEFAULT_CACHE)
+        return DEFAULT_CACHE
 
     def _rand(self, *shape: int):
         return self.torch.empty(*shape, device=self.device, dtype=self.dtype).normal_(0, 0.02)
@@ -312,8 +109,8 @@ class OpTimer:
 
     def _copies(self, bytes_each: int) -> int:
         """Copies of an operand to rotate over so the set exceeds the cache several times."""
-        need = math.ceil(_CACHE_MULTIPLE * self.cache_bytes / max(1, bytes_each))
-        return max(1, min(_MAX_COPIES, need))
+        need = math.ceil(CACHE_MULTIPLE * self.cache_bytes / max(1, bytes_each))
+        return max(1, min(MAX_COPIES, need))
 
     def _time(self, fn: Callable[[int], Any], copies: int = 1) -> float:
         """Seconds per call; the timed calls walk through all ``copies`` of the operands
@@ -333,7 +130,7 @@ class OpTimer:
 
     # ------------------------------------------------------------------ operators
     def projections(self, tokens: int) -> float:
-        m, el = self.model, _DTYPE_BYTES[self.dtype_name]
+        m, el = self.model, DTYPE_BYTES[self.dtype_name]
         q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         ws = self._weight_set("projections", lambda: (self._rand(m.hidden, q + 2 * kv),
                                                       self._rand(q, m.hidden)),
@@ -349,7 +146,7 @@ class OpTimer:
     def moe(self, tokens: int) -> float:
         torch, m = self.torch, self.model
         E, k, h, inter = m.num_experts, m.experts_per_token, m.hidden, m.expert_intermediate
-        el = _DTYPE_BYTES[self.dtype_name]
+        el = DTYPE_BYTES[self.dtype_name]
         # stored (expert, out, in) and used transposed, the layout grouped GEMMs take
         ws = self._weight_set("moe", lambda: (self._rand(E, 2 * inter, h),
                                               self._rand(E, h, inter), self._rand(h, E)),
@@ -415,7 +212,7 @@ class OpTimer:
         torch, m = self.torch, self.model
         F = torch.nn.functional
         keys = context + new
-        el = _DTYPE_BYTES[self.dtype_name]
+        el = DTYPE_BYTES[self.dtype_name]
         kv_bytes = 2 * requests * keys * m.num_kv_heads * m.head_dim * el
         rep = m.num_heads // m.num_kv_heads
         n = self._copies(kv_bytes)
@@ -621,7 +418,7 @@ class OpTimer:
     def logits(self, requests: int) -> float:
         m = self.model
         w = self._weight_set("logits", lambda: self._rand(m.hidden, m.vocab),
-                             m.hidden * m.vocab * _DTYPE_BYTES[self.dtype_name])
+                             m.hidden * m.vocab * DTYPE_BYTES[self.dtype_name])
         x = self._rand(requests, m.hidden)
         return self._time(lambda i: x @ w[i % len(w)], len(w))
 
@@ -645,7 +442,7 @@ class OpTimer:
         return 2 * N ** 3 / self._time(lambda _i: a @ b)
 
     def _peak_copy(self) -> float:
-        el = _DTYPE_BYTES[self.dtype_name]
+        el = DTYPE_BYTES[self.dtype_name]
         elems = self.grid.peak_copy_bytes // (2 * el)
         src = self._rand(elems)
         dst = self.torch.empty_like(src)
@@ -671,7 +468,7 @@ class OpTimer:
         def result(complete: bool) -> dict[str, Any]:
             return {"format": FORMAT, "model": m.name, "model_spec": asdict(m),
                     "device": self.describe(), "dtype": self.dtype_name,
-                    "dtype_bytes": _DTYPE_BYTES[self.dtype_name], "moe_impl": self.moe_impl,
+                    "dtype_bytes": DTYPE_BYTES[self.dtype_name], "moe_impl": self.moe_impl,
                     "peaks": peaks, "grid": asdict(g), "records": records,
                     "skipped_attention": skipped, "complete": complete,
                     "fa3_speedup_published": list(FA3_SPEEDUP)}
@@ -739,18 +536,6 @@ class OpTimer:
         return d
 
 
-def load_model(spec: str) -> ModelSpec:
-    """A shipped model name, or the path of a Hugging Face ``config.json``."""
-    p = Path(spec)
-    if spec.endswith(".json") or p.is_file():
-        try:
-            cfg = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read model config {spec}: {exc}") from None
-        return model_from_hf_config(p.stem, cfg)
-    return get_model(spec)
-
-
 def build_parser(prog: str = "python -m mars.emulate.op_timing") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Time one layer's operators of a model's real shapes with "
@@ -764,7 +549,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a shipped model (qwen3-coder-30b-a3b, gpt-oss-120b) or a config.json")
     p.add_argument("--out", required=True, metavar="FILE.json", help="timings to write")
     p.add_argument("--device", default="cuda", help="torch device (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES),
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES),
                    help="compute, weight and KV dtype (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="a small grid (seconds on a small model; for a CPU and the tests)")
@@ -791,7 +576,7 @@ def main(args: argparse.Namespace) -> int:
                         graphs=not args.no_graphs)
     except ValueError as exc:
         raise SystemExit(f"op timing: {exc}") from None
-    big = largest_operands(model, timer.grid, _DTYPE_BYTES[args.dtype], timer.cache_bytes)
+    big = largest_operands(model, timer.grid, DTYPE_BYTES[args.dtype], timer.cache_bytes)
     print(f"timing {model.name} on {args.device}: largest operand set {big / 2**30:.1f} GiB",
           file=sys.stderr, flush=True)
     t0 = time.monotonic()

@@ -2,6 +2,6 @@
 
 import sys
 
-from mars.sidecar.cli import main
+from mars.cli.sidecar import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""The sidecar's configuration: one typed dataclass, built by the CLI or by tests.
+"""The sidecar's configuration: one typed dataclass, built by the CLI, the simulator or tests.
 
 The policies' own knobs (AIMD, packing, pressure) live in :class:`AdmissionConfig` of the
 framework-free layer; this file only adds what the *mechanism* needs (ports, timeouts, queue
@@ -7,12 +7,22 @@ and stream limits), so a policy change never touches the proxy and vice versa.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from mars.policy.admission import AdmissionConfig
+from mars.policy.packing import PackConfig
+from mars.policy.pressure import PressureConfig
+from mars.policy.window import AIMDConfig
+
+#: AdmissionConfig's nested configurations, by their key in an override object
+_SUB = {"aimd": AIMDConfig, "packing": PackConfig, "pressure": PressureConfig}
 
 
 def engine_events_for(upstream: str) -> str:
@@ -23,6 +33,44 @@ def engine_events_for(upstream: str) -> str:
     """
     port = urlsplit(upstream).port or 80
     return f"ipc://{tempfile.gettempdir()}/mars-engine-{port}.ipc"
+
+
+def read_admission_overrides(text: str) -> dict[str, Any]:
+    """``--admission-config``'s value: a JSON object, or ``@FILE`` holding one."""
+    if text.startswith("@"):
+        with open(text[1:], encoding="utf-8") as f:
+            text = f.read()
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("--admission-config must be a JSON object")
+    return raw
+
+
+def admission_config(overrides: Mapping[str, Any] | None = None, *,
+                     tool_cores: float | None = None, initial_window: float | None = None,
+                     min_window: int | None = None, max_window: int | None = None,
+                     max_queue: int | None = None) -> AdmissionConfig:
+    """The control plane's configuration from an override object (``AdmissionConfig``'s
+    keys; ``aimd`` / ``packing`` / ``pressure`` as objects of their own) and the sidecar's
+    named options, which win over it. ``tool_cores`` defaults to this host's cores: the
+    tools run beside the sidecar unless told otherwise."""
+    raw = dict(overrides or {})
+    subs = {k: dict(raw.pop(k, None) or {}) for k in _SUB}
+    aimd = subs["aimd"]
+    for key, value in (("initial_window", initial_window), ("min_window", min_window),
+                       ("max_window", max_window)):
+        if value is not None:
+            aimd[key] = value
+    # a window given alone implies consistent bounds (e.g. --max-window 4 with the default
+    # initial window 8 means "at most 4")
+    if "initial_window" not in aimd and ("min_window" in aimd or "max_window" in aimd):
+        d = AIMDConfig()
+        aimd["initial_window"] = min(max(d.initial_window, aimd.get("min_window", d.min_window)),
+                                     aimd.get("max_window", d.max_window))
+    subs["pressure"].setdefault("tool_cores", float(tool_cores or os.cpu_count() or 1))
+    if max_queue is not None:
+        raw["max_queue"] = max_queue
+    return AdmissionConfig(**raw, **{k: _SUB[k](**v) for k, v in subs.items()})
 
 
 @dataclass(slots=True)

@@ -18,26 +18,20 @@ from typing import Any
 from mars.policy.admission import QueueFull
 from mars.policy.events import make_event
 from mars.sidecar.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
-from mars.sidecar.config import SidecarConfig
+from mars.sidecar.config import SidecarConfig, admission_config
 from mars.sim.clock import Timeline, VirtualClock
 
 __all__ = ["QueueFull", "SimControl", "sidecar_config"]
 
 
 def sidecar_config(admission: bool, tool_cores: int, block_size: int) -> SidecarConfig:
-    """The sidecar's configuration as ``mars-vllm serve --tool-cores N`` starts it (the same
-    flags through the sidecar's own parser)."""
-    import argparse
-    import json
-
-    from mars.sidecar.cli import add_arguments, config_from_args
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--upstream", "http://sim", "--admission", "on" if admission else "off",
-                         "--admission-config", json.dumps({"packing": {"block_size": block_size}}),
-                         "--tool-cores", str(tool_cores)])
-    return config_from_args(args)
+    """The sidecar's configuration as ``mars-vllm serve --tool-cores N`` starts it: defaults
+    but the admission switch, the tool cores and the engine's KV block size (a test holds it
+    equal to what ``mars sidecar``'s parser makes of the same flags)."""
+    return SidecarConfig(
+        upstream="http://sim", admission=admission,
+        admission_config=admission_config({"packing": {"block_size": block_size}},
+                                          tool_cores=tool_cores))
 
 
 class SimControl:

@@ -9,22 +9,17 @@
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import signal
-import socket
 import sys
-from typing import Any
 
 from mars.policy.admission import AdmissionConfig
-from mars.policy.window import AIMDConfig
-from mars.policy.packing import PackConfig
-from mars.policy.pressure import PressureConfig
 from mars.sidecar.auth import EVENTS_KEYS_ENV, KEYS_ENV
-from mars.sidecar.config import SidecarConfig, engine_events_for
-
-_SUB = {"aimd": AIMDConfig, "packing": PackConfig, "pressure": PressureConfig}
+from mars.sidecar.config import (
+    SidecarConfig,
+    admission_config,
+    engine_events_for,
+    read_admission_overrides,
+)
 
 
 def _on_off(v: str) -> bool:
@@ -114,34 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--access-log", action="store_true", help="log every request")
 
 
-def admission_config(args: argparse.Namespace) -> AdmissionConfig:
-    raw: dict[str, Any] = {}
-    if args.admission_config:
-        text = args.admission_config
-        if text.startswith("@"):
-            with open(text[1:], encoding="utf-8") as f:
-                text = f.read()
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("--admission-config must be a JSON object")
-    subs = {k: dict(raw.pop(k, None) or {}) for k in _SUB}
-    if args.initial_window is not None:
-        subs["aimd"]["initial_window"] = args.initial_window
-    if args.min_window is not None:
-        subs["aimd"]["min_window"] = args.min_window
-    if args.max_window is not None:
-        subs["aimd"]["max_window"] = args.max_window
-    aimd = subs["aimd"]
-    # a window given alone implies consistent bounds (e.g. --max-window 4 with the default
-    # initial window 8 means "at most 4")
-    if "initial_window" not in aimd and ("min_window" in aimd or "max_window" in aimd):
-        d = AIMDConfig()
-        aimd["initial_window"] = min(max(d.initial_window, aimd.get("min_window", d.min_window)),
-                                     aimd.get("max_window", d.max_window))
-    subs["pressure"].setdefault("tool_cores", float(args.tool_cores or os.cpu_count() or 1))
-    if args.max_queue is not None:
-        raw["max_queue"] = args.max_queue
-    return AdmissionConfig(**raw, **{k: _SUB[k](**v) for k, v in subs.items()})
+def admission_config_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    return admission_config(
+        read_admission_overrides(args.admission_config) if args.admission_config else None,
+        tool_cores=args.tool_cores, initial_window=args.initial_window,
+        min_window=args.min_window, max_window=args.max_window, max_queue=args.max_queue)
 
 
 def _env_keys(*names: str) -> tuple[str, ...]:
@@ -160,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         engine = ""
     return SidecarConfig(
         upstream=args.upstream, host=args.host, port=args.port, admission=args.admission,
-        admission_config=admission_config(args), engine_events=engine,
+        admission_config=admission_config_from_args(args), engine_events=engine,
         events_file=args.events_file, admission_timeout_s=args.admission_timeout,
         idle_timeout_s=args.idle_timeout, step_interval_s=args.step_interval,
         upstream_client=args.upstream_client,
@@ -175,40 +147,6 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         drain_timeout_s=args.drain_timeout)
 
 
-def serve(config: SidecarConfig) -> int:
-    import uvicorn
-
-    from mars.sidecar.app import create_app
-
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.parent_pid:
-        # SIGKILL: the engine died with our parent, there is nothing left to drain
-        from mars.launch import die_with_parent
-
-        die_with_parent(signal.SIGKILL, config.parent_pid)
-    app = create_app(config)
-    if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"mars sidecar: WARNING: listening on {config.host} without --api-key: anyone who "
-              "can reach the port can generate, read every session's events and end sessions",
-              file=sys.stderr, flush=True)
-    print(f"mars sidecar: http://{config.host}:{config.port} -> {config.upstream} "
-          f"admission={'on' if config.admission else 'off'} "
-          f"engine-events={config.engine_events or 'none'} "
-          f"events-file={config.events_file or 'none'} "
-          f"auth={'on' if config.api_keys else 'off'}", file=sys.stderr, flush=True)
-    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        access_log=config.access_log, loop="auto", http="auto", backlog=4096,
-                        timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
-                        timeout_keep_alive=30, proxy_headers=False)
-    server = uvicorn.Server(uv)
-    if config.listen_fd is not None:
-        server.run(sockets=[socket.socket(fileno=config.listen_fd)])
-    else:
-        server.run()
-    # uvicorn returns (does not raise) when it cannot bind: a server that never served failed
-    return 0 if server.started else 1
-
 
 def _cmd(args: argparse.Namespace) -> int:
     try:
@@ -216,6 +154,8 @@ def _cmd(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"mars sidecar: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    from mars.sidecar.server import serve
+
     return serve(config)
 
 
