@@ -4,10 +4,10 @@
                                                     [--configs stock,fcfs,mars,mars-tick0]
                                                     [--json out.json]
 
-No model and no server: the offline engine (:mod:`mars.vllm_patches.offline`: the real
+No model and no server: the offline engine (:mod:`mars.engine.harness.offline`: the real
 ``vllm.v1.core.sched.scheduler.Scheduler`` and KV-cache manager, and the mars schedulers built
 by ``make_scheduler``) driven with synthetic model outputs, with ``N`` requests kept running
-by a closed agent-like loop (:class:`~mars.vllm_patches.offline.AgentLoop`: multi-round jobs
+by a closed agent-like loop (:class:`~mars.engine.harness.offline.AgentLoop`: multi-round jobs
 whose later rounds extend the previous context, so they mostly hit the prefix cache).
 
 Configurations: ``stock`` (vLLM's ``Scheduler``), ``fcfs`` (mars scheduler, policy ``fcfs``:
@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mars.vllm_patches.offline import (  # noqa: E402
+from mars.engine.harness.offline import (  # noqa: E402
     AgentLoop, AgentLoopDriver, OfflineEngine, default_num_blocks)
 
 CONFIGS: tuple[str, ...] = ("stock", "fcfs", "mars", "mars-tick0")

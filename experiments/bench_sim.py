@@ -19,7 +19,7 @@ import time
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from mars.sim.clock import VirtualClock
-from mars.vllm_patches.sim_engine import SimEngine
+from mars.engine.harness.sim_engine import SimEngine
 
 
 def measure(n: int, args) -> tuple[float, float]:

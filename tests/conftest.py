@@ -76,7 +76,7 @@ def scheduling(request, monkeypatch):
     the default here) and the async one a GPU user gets (``MarsAsyncScheduler``, driven as
     vLLM's batch queue drives it). Modules opt in with ``usefixtures("scheduling")``."""
     pytest.importorskip("vllm")
-    from mars.vllm_patches import offline
+    from mars.engine.harness import offline
 
     monkeypatch.setattr(offline, "DEFAULT_ASYNC", request.param == "async")
     return request.param

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from mars.policy.admission import AdmissionConfig, QueueFull
-from mars.policy.events import make_event
-from mars.policy.window import AIMDConfig
-from mars.sidecar.admission_core import AdmissionCore, CoreConfig, Listener
+from mars.policy.control.admission import AdmissionConfig, QueueFull
+from mars.protocol.events import make_event
+from mars.policy.control.window import AIMDConfig
+from mars.policy.control.admission_core import AdmissionCore, CoreConfig, Listener
 
 
 class Shell:
@@ -173,8 +173,8 @@ def test_the_engine_s_gpu_submit_reaches_the_packing_room():
     """``gpu_submit`` is one of the events the core hands to BalanceAndAdmit: an admitted
     session's projected context then bounds what later sessions are packed into, also once
     the KV snapshot has gone stale (the pool's size is the engine's, not the snapshot's)."""
-    from mars.policy.events import make_event
-    from mars.policy.packing import PackConfig
+    from mars.protocol.events import make_event
+    from mars.policy.control.packing import PackConfig
 
     sh = Shell(window=4, packing=PackConfig(kv_reserve_frac=0.0))
     c = sh.core
@@ -202,7 +202,7 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
     """The gaps between a session's rounds are measured when the core sees the events (its
     own clock, the one its steps use), not by the engine's timestamps, so a skewed engine
     clock cannot make every session look quiet; the views say which sessions are."""
-    from mars.policy.events import make_event
+    from mars.protocol.events import make_event
 
     sh = Shell(window=4)
     c = sh.core

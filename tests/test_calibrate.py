@@ -33,7 +33,7 @@ def profile(tmp_path_factory):
 
 def test_calibrate_writes_the_served_engine_profile(profile):
     from mars.emulate.profile import DeviceProfile
-    from mars.vllm_patches.serve import CPU_DEFAULT_BLOCK_SIZE, CPU_DEFAULT_KV_BYTES
+    from mars.engine.serve.cli import CPU_DEFAULT_BLOCK_SIZE, CPU_DEFAULT_KV_BYTES
 
     p = DeviceProfile.load(profile)
     # measured with what `mars-vllm serve` runs on CPU, and says so
@@ -55,7 +55,7 @@ def test_the_emulated_engine_on_a_profile_has_the_real_engines_pool(profile):
     """``--emulate PROFILE`` schedules with the measured engine's settings: same block size,
     token budget, context limit and KV pool as the real engine it stands in for."""
     from mars.sim.clock import VirtualClock
-    from mars.vllm_patches.sim_engine import SimEngine
+    from mars.engine.harness.sim_engine import SimEngine
 
     import os
 
@@ -89,7 +89,7 @@ def test_bad_profiles_are_refused_by_serve_and_sim(tmp_path):
                         "1", "--profile", str(bad), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "not a device profile" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "mars.vllm_patches.serve", "serve", "--emulate",
+    r = subprocess.run([sys.executable, "-m", "mars.engine.serve.cli", "serve", "--emulate",
                         str(tmp_path / "missing.json")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "cannot read device profile" in r.stderr, r.stderr[-2000:]
@@ -138,7 +138,7 @@ def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
     from mars.launch import ServerProcess
     from mars.sim.fidelity import (engine_busy_seconds, engine_call_seconds, engine_side_mean,
                                    outside_engine, solo_calls)
-    from mars.vllm_patches.calibration import CalibrationGrid
+    from mars.engine.harness.calibration import CalibrationGrid
     from mars.workloads.eventlink import read_events
     from mars.workloads.generator import generate
     from mars.workloads.results import read_results
@@ -233,7 +233,7 @@ def test_bench_simulates_a_grid_on_the_profile(profile, tmp_path):
 
 def test_flags_that_would_resize_the_measured_pool_are_refused(profile):
     for flag in (["--gpu-memory-utilization", "0.5"], ["--kv-cache-dtype", "fp8"]):
-        r = subprocess.run([sys.executable, "-m", "mars.vllm_patches.serve", "serve",
+        r = subprocess.run([sys.executable, "-m", "mars.engine.serve.cli", "serve",
                             "--emulate", str(profile), *flag], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode != 0 and "does not apply to a device profile" in r.stderr, \

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.usefixtures("scheduling")
 
-from mars.vllm_patches.offline import BLOCK_SIZE, OfflineEngine  # noqa: E402
+from mars.engine.harness.offline import BLOCK_SIZE, OfflineEngine  # noqa: E402
 
 BS = BLOCK_SIZE
 

@@ -1,5 +1,5 @@
 """The AMX grant vLLM's CPU attention needs in every process that runs it
-(mars/vllm_patches/cpu_isa.py). Without it `mars-vllm serve`'s worker died of SIGILL on its
+(mars/engine/serve/cpu_isa.py). Without it `mars-vllm serve`'s worker died of SIGILL on its
 first request on AMX hosts; tests/test_lifecycle.py exercises the served path end to end."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 def test_vllm_loads_the_grant_in_every_process():
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("mars_cpu_amx") == "mars.vllm_patches.cpu_isa:grant_amx"
+    assert eps.get("mars_cpu_amx") == "mars.engine.serve.cpu_isa:grant_amx"
 
 
 def _has_amx() -> bool:
@@ -28,7 +28,7 @@ def _has_amx() -> bool:
 def test_the_grant_gives_a_fresh_process_the_tile_state():
     code = """
 import ctypes
-from mars.vllm_patches.cpu_isa import request_amx
+from mars.engine.serve.cpu_isa import request_amx
 libc = ctypes.CDLL(None, use_errno=True)
 v = ctypes.c_ulong(0)
 def tiles():
@@ -46,7 +46,7 @@ print(before, request_amx(), tiles(), request_amx())
 
 
 def test_off_x86_linux_nothing_is_requested(monkeypatch):
-    from mars.vllm_patches import cpu_isa
+    from mars.engine.serve import cpu_isa
 
     monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "aarch64")
     assert cpu_isa.request_amx() is False

@@ -75,8 +75,8 @@ def test_the_emulated_gpu_runs_the_scheduler_class_a_gpu_gets(flag):
     from vllm.platforms import current_platform
 
     from mars.sim.clock import VirtualClock
-    from mars.vllm_patches.offline import tiny_model_dir
-    from mars.vllm_patches.sim_engine import SimEngine
+    from mars.engine.harness.offline import tiny_model_dir
+    from mars.engine.harness.sim_engine import SimEngine
 
     assert type(current_platform).__name__ == "EmulationAwareCpuPlatform"
     eng = SimEngine("h100:qwen3-coder-30b-a3b", "mars", clock=VirtualClock(),
@@ -94,11 +94,11 @@ def test_the_emulated_gpu_runs_the_scheduler_class_a_gpu_gets(flag):
 
 @pytest.mark.parametrize("key", ["qwen-h100nvl-1024x128", "oss-h100-c4-ttft"])
 def test_published_points_are_predicted_as_documented(key):
-    """Two of the published points (the rest: ``python -m mars.vllm_patches.serving_bench``,
+    """Two of the published points (the rest: ``python -m mars.engine.harness.serving_bench``,
     a few minutes): the emulation, in virtual time, predicts exactly what the docs table
     records, for the measured model and the roofline it replaced."""
     from mars.emulate.published import POINTS
-    from mars.vllm_patches.serving_bench import compare
+    from mars.engine.harness.serving_bench import compare
 
     p = next(p for p in POINTS if p.key == key)
     got = compare([p])[key]
@@ -107,8 +107,8 @@ def test_published_points_are_predicted_as_documented(key):
 
 
 def test_emulate_config_picks_the_step_model():
-    from mars.vllm_patches.serve import apply_emulation  # noqa: F401  (import check)
-    from mars.vllm_patches.sim_engine import engine_args_for
+    from mars.engine.serve.cli import apply_emulation  # noqa: F401  (import check)
+    from mars.engine.harness.sim_engine import engine_args_for
 
     args = engine_args_for("h200:qwen3-coder-30b-a3b", "fcfs",
                            ["--emulate-config", json.dumps({"step_model": "roofline"})])
@@ -124,7 +124,7 @@ def test_the_platform_plugin_answers_only_for_vllms_plain_cpu_platform(monkeypat
     or a GPU's) the plugin answers nothing, so that platform is not replaced."""
     import vllm.platforms as platforms
 
-    from mars.vllm_patches import platform
+    from mars.engine.executor import platform
 
     for builtin, want in [("vllm.platforms.cpu.CpuPlatform", platform.QUALNAME),
                           ("vllm.platforms.zen_cpu.ZenCpuPlatform", None), (None, None)]:
@@ -135,8 +135,8 @@ def test_the_platform_plugin_answers_only_for_vllms_plain_cpu_platform(monkeypat
 def test_async_is_kept_for_the_emulated_executor_and_its_subclasses_only():
     from types import SimpleNamespace
 
-    from mars.vllm_patches.emulated_executor import QUALNAME, EmulatedExecutor
-    from mars.vllm_patches.emulated_platform import runs_emulated_executor
+    from mars.engine.executor.emulated_executor import QUALNAME, EmulatedExecutor
+    from mars.engine.executor.emulated_platform import runs_emulated_executor
 
     class Mine(EmulatedExecutor):
         pass

@@ -1,4 +1,4 @@
-"""Architecture rules: vLLM is touched only by mars/vllm_patches; the policy layer and the agent
+"""Architecture rules: vLLM is touched only by mars/engine; the policy layer and the agent
 integration stay importable without vLLM; one top-level import name is installed."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def _files(sub: str = ""):
     return sorted((PKG / sub).rglob("*.py"))
 
 
-def test_vllm_is_imported_only_in_the_adapter_package():
+def test_vllm_is_imported_only_in_the_engine_package():
     offenders = [str(p.relative_to(ROOT)) for p in _files()
-                 if "vllm" in _imported_roots(p) and "vllm_patches" not in p.parts]
+                 if "vllm" in _imported_roots(p) and p.relative_to(PKG).parts[0] != "engine"]
     assert offenders == []
 
 
@@ -36,7 +36,7 @@ def test_vllm_is_imported_only_in_the_adapter_package():
     ("policy", {"vllm", "fastapi", "starlette", "uvicorn", "openhands", "torch", "zmq"}),
     ("openhands_integration", {"vllm", "torch", "fastapi"}),
     ("workloads", {"vllm", "torch", "openhands"}),
-    # the simulator's own pieces: its only vLLM contact is mars/vllm_patches/sim_engine.py
+    # the simulator's own pieces: its only vLLM contact is mars/engine/harness/sim_engine.py
     ("sim", {"vllm", "torch", "fastapi", "starlette", "uvicorn", "openhands", "zmq"}),
 ])
 def test_layer_is_framework_free(sub, banned):
@@ -60,11 +60,11 @@ def test_single_top_level_package():
 
 
 #: modules that drive policy objects: they call the declared contract
-#: (:mod:`mars.policy.base`, :class:`mars.policy.admission.BalanceAndAdmit`), never probe it
-_POLICY_DRIVERS = ("vllm_patches/scheduler.py", "vllm_patches/coordinator.py",
-                   "vllm_patches/coscheduler.py", "vllm_patches/calls.py",
-                   "vllm_patches/pins.py", "vllm_patches/offline.py",
-                   "sidecar/control.py", "sidecar/admission_core.py")
+#: (:mod:`mars.policy.engine.base`, :class:`mars.policy.control.admission.BalanceAndAdmit`), never probe it
+_POLICY_DRIVERS = ("engine/sched/scheduler.py", "engine/sched/coordinator.py",
+                   "engine/sched/coscheduler.py", "engine/sched/calls.py",
+                   "engine/sched/pins.py", "engine/harness/offline.py",
+                   "sidecar/control.py", "policy/control/admission_core.py")
 
 
 @pytest.mark.parametrize("rel", _POLICY_DRIVERS)
@@ -81,7 +81,7 @@ def test_adapters_never_probe_policy_objects(rel):
 
 
 def test_policies_implement_the_declared_contracts():
-    from mars.policy.base import OrderingPolicy, RetentionPolicy
+    from mars.policy.engine.base import OrderingPolicy, RetentionPolicy
     from mars.policy.registry import POLICY_NAMES, get_policy
 
     for name in POLICY_NAMES:
@@ -151,6 +151,21 @@ def test_no_module_imports_a_command():
     got = {m: sorted(t for t in ts if _is_command(t))
            for m, ts in _graph().items() if not _is_command(m)}
     assert {m: ts for m, ts in got.items() if ts} == {}
+
+
+def test_the_two_planes_never_import_each_other():
+    """The paper's two planes are two folders (§4.2 control, §4.3 engine): neither imports the
+    other, and the schema both speak (``mars.protocol``) imports neither."""
+    graph = _graph()
+
+    def into(src: str, dst: str) -> dict[str, list[str]]:
+        return {m: sorted(t for t in ts if t.startswith(dst)) for m, ts in graph.items()
+                if m.startswith(src) and any(t.startswith(dst) for t in ts)}
+
+    assert into("mars.policy.engine", "mars.policy.control") == {}
+    assert into("mars.policy.control", "mars.policy.engine") == {}
+    assert into("mars.protocol", "mars.policy") == {}
+    assert "mars.policy.engine.base" in graph and "mars.policy.control.admission" in graph
 
 
 def test_no_import_circle_between_modules():

@@ -1,4 +1,4 @@
-"""The lifecycle plugin's process mechanics without a server (``mars.vllm_patches.lifecycle``):
+"""The lifecycle plugin's process mechanics without a server (``mars.engine.serve.lifecycle``):
 a child that ``mars-vllm serve``'s processes fork is armed as a spawned one is."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_a_forked_child_dies_with_its_parent_and_leaves_the_group():
     code = textwrap.dedent("""
         import ctypes, os, signal
         os.environ["MARS_DIE_WITH_PARENT"] = "1"
-        from mars.vllm_patches import lifecycle
+        from mars.engine.serve import lifecycle
         lifecycle.arm_forked_children()
         lifecycle.arm_forked_children()  # idempotent: one hook
         r, w = os.pipe()
@@ -47,7 +47,7 @@ def test_stale_event_sockets_are_swept_and_live_ones_kept(tmp_path):
     import os
     import socket
 
-    from mars.vllm_patches.lifecycle import sweep_stale_ipc
+    from mars.engine.serve.lifecycle import sweep_stale_ipc
 
     stale = tmp_path / "mars-engine-1.ipc"
     dead = socket.socket(socket.AF_UNIX)
@@ -88,7 +88,7 @@ def test_a_stop_during_the_engine_handshake_is_not_swallowed(tmp_path, monkeypat
     import zmq
     import vllm.v1.engine.utils as engine_utils
 
-    from mars.vllm_patches.lifecycle import propagate_startup_interrupts
+    from mars.engine.serve.lifecycle import propagate_startup_interrupts
 
     monkeypatch.setattr(engine_utils, "zmq_socket_ctx", engine_utils.zmq_socket_ctx)
     addr = f"ipc://{tmp_path}/handshake.ipc"

@@ -162,7 +162,8 @@ def test_the_split_attention_computes_what_the_masked_one_does(tmp_path):
     torch = pytest.importorskip("torch")
     from torch.nn.attention.bias import causal_lower_right
 
-    from mars.emulate.op_timing import OpTimer, load_model
+    from mars.emulate.op_grid import load_model
+    from mars.emulate.op_timing import OpTimer
 
     cfg = tmp_path / "small-moe.json"
     cfg.write_text(json.dumps(SMALL_MOE))
@@ -180,7 +181,8 @@ def test_the_split_attention_computes_what_the_masked_one_does(tmp_path):
 
 def test_the_expanded_kv_fallback_runs_and_is_recorded(tmp_path):
     pytest.importorskip("torch")
-    from mars.emulate.op_timing import OpTimer, load_model
+    from mars.emulate.op_grid import load_model
+    from mars.emulate.op_timing import OpTimer
 
     cfg = tmp_path / "small-moe.json"
     cfg.write_text(json.dumps(SMALL_MOE))

@@ -1,4 +1,4 @@
-"""BalanceAndAdmit (mars.policy.admission): queue, admission loop, pending blocks, starvation."""
+"""BalanceAndAdmit (mars.policy.control.admission): queue, admission loop, pending blocks, starvation."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from mars.policy.admission import (AdmissionConfig, AlreadyAdmitted, BalanceAndAdmit,
+from mars.policy.control.admission import (AdmissionConfig, AlreadyAdmitted, BalanceAndAdmit,
                                    QueueFull)
-from mars.policy.window import AIMDConfig
-from mars.policy.events import make_event, parse_event
-from mars.policy.packing import PackConfig, PackMode
-from mars.policy.pressure import PressureConfig
+from mars.policy.control.window import AIMDConfig
+from mars.protocol.events import make_event, parse_event
+from mars.policy.control.packing import PackConfig, PackMode
+from mars.policy.control.pressure import PressureConfig
 
 
 def snapshot(ba: BalanceAndAdmit, ts: float, total: int, used: int) -> None:
@@ -165,7 +165,7 @@ def _end_grown_sessions(ba: BalanceAndAdmit, n: int, t0: float) -> None:
 def test_the_room_charges_the_growth_ended_sessions_showed():
     """Contexts grow after admission: the admitted sessions count at the expected peak of
     their sum over the coming rounds, and a queued session at what it raises that by, both from
-    the rounds and growth of the sessions that ended (mars.policy.growth)."""
+    the rounds and growth of the sessions that ended (mars.policy.control.growth)."""
     cfg = AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0))
     ba = BalanceAndAdmit(cfg)
     snapshot(ba, 0.0, total=1000, used=0)
@@ -366,7 +366,7 @@ def test_what_ends_a_round_for_the_quiet_rule():
 
 
 def test_round_gaps_forget_the_oldest():
-    from mars.policy.admission import RoundGaps
+    from mars.policy.control.admission import RoundGaps
     g = RoundGaps(max_samples=3, min_samples=2)
     g.observe(9.0)
     assert g.longest() is None
@@ -515,7 +515,7 @@ def test_admission_loop_with_cpu_pressure_switches_mode():
 def test_light_tools_are_tracked_but_not_cpu_load():
     """A tool that declares ``cpu_bound: false`` (it waits, e.g. the replay's sleeping tools)
     keeps its session alive but occupies no core."""
-    from mars.policy.pressure import DualPressureState, PressureConfig
+    from mars.policy.control.pressure import DualPressureState, PressureConfig
 
     st = DualPressureState(PressureConfig(tool_cores=2.0))
     st.observe(make_event("tool_start", session_id="a", ts=1.0, tool="sleep", call_id="1",
@@ -537,7 +537,7 @@ def test_slowdown_ignores_light_tools_and_millisecond_tools():
     whose baseline is milliseconds (scheduling jitter dominates), must not cut the window.
     (Found in a time-scaled replay: 1 ms sleeping tools taking 3 ms pushed the slowdown to
     overload and the window to 1.)"""
-    from mars.policy.pressure import DualPressureState, PressureConfig
+    from mars.policy.control.pressure import DualPressureState, PressureConfig
 
     st = DualPressureState(PressureConfig(tool_cores=2.0))
     for i in range(20):
@@ -563,7 +563,7 @@ def test_the_pressure_state_keeps_tool_calls_queued_for_a_core():
     """A call queued for a core is not CPU load (it holds no core) but its session is busy:
     the pressure state counts it per session until it starts or ends (by call id, else the
     oldest anonymous one), drops it with the session, and lets a lost start go stale."""
-    from mars.policy.pressure import DualPressureState, PressureConfig
+    from mars.policy.control.pressure import DualPressureState, PressureConfig
 
     st = DualPressureState(PressureConfig(tool_stale_s=100.0))
     for call in ("c1", "c2", None):

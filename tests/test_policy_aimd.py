@@ -1,4 +1,4 @@
-"""UpdateWindow (mars.policy.window) and the dual-pressure state it reads (mars.policy.pressure)."""
+"""UpdateWindow (mars.policy.control.window) and the dual-pressure state it reads (mars.policy.control.pressure)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from mars.policy.window import (WindowController, AIMDConfig, Hysteresis, OverloadBand,
+from mars.policy.control.window import (WindowController, AIMDConfig, Hysteresis, OverloadBand,
                                WindowDecision, cpu_little_cap, kv_soft_cap)
-from mars.policy.events import make_event
-from mars.policy.pressure import DualPressureState, PressureConfig
+from mars.protocol.events import make_event
+from mars.policy.control.pressure import DualPressureState, PressureConfig
 
 
 def kv(state: DualPressureState, ts: float, util: float, total: int = 1000, **kw) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mars.policy.base import CallRecord, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
-from mars.policy.baselines import (
+from mars.policy.engine.base import CallRecord, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
+from mars.policy.engine.baselines import (
     AutellixPLAS,
     ContinuumConfig,
     ContinuumDyConfig,
@@ -264,7 +264,7 @@ def test_continuum_dy_cold_start_decides_with_an_exponential_prior():
 
 
 def test_program_fcfs_orders_by_the_programs_first_arrival():
-    from mars.policy.baselines import ProgramFCFS
+    from mars.policy.engine.baselines import ProgramFCFS
 
     pol = ProgramFCFS()
     assert isinstance(pol, OrderingPolicy)

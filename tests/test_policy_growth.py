@@ -1,4 +1,4 @@
-"""ContextGrowth (mars.policy.growth): the expected peak of the admitted contexts' sum."""
+"""ContextGrowth (mars.policy.control.growth): the expected peak of the admitted contexts' sum."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mars.policy.growth import ContextGrowth
+from mars.policy.control.growth import ContextGrowth
 
 
 def brute_peak(samples: list[tuple[int, int]], sessions: list[tuple[int, int]]) -> int:

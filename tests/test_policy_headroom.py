@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars.policy.headroom import AdmissionHeadroom
+from mars.policy.engine.headroom import AdmissionHeadroom
 from mars.policy.registry import POLICY_NAMES, get_policy
 
 

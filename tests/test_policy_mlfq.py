@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mars.policy.base import CallRecord, OrderingPolicy
-from mars.policy.mlfq import MLFQConfig, WindowedMLFQ
+from mars.policy.engine.base import CallRecord, OrderingPolicy
+from mars.policy.engine.mlfq import MLFQConfig, WindowedMLFQ
 
 
 def call(rid: str, prompt: int, *, arrival: float = 0.0, last_served: float | None = None,

@@ -1,13 +1,13 @@
-"""PackQueue (mars.policy.packing): mode selection, per-mode selection, anti-starvation."""
+"""PackQueue (mars.policy.control.packing): mode selection, per-mode selection, anti-starvation."""
 
 from __future__ import annotations
 
 import pytest
 
-from mars.policy.events import make_event
-from mars.policy.packing import (Footprint, PackConfig, PackMode, PackQueue, QueuedSession,
+from mars.protocol.events import make_event
+from mars.policy.control.packing import (Footprint, PackConfig, PackMode, PackQueue, QueuedSession,
                                  choose_mode, estimate_blocks)
-from mars.policy.pressure import DualPressureState, PressureConfig
+from mars.policy.control.pressure import DualPressureState, PressureConfig
 
 
 def q(sid: str, blocks: int, at: float = 0.0, share: float | None = None, seq: int = 0):
@@ -189,7 +189,7 @@ def test_no_slots_or_empty_queue():
 
 class Doubling(Footprint):
     """A projection in which every session needs twice its prompt, less a discount once
-    two are in (a stand-in for mars.policy.growth.Projection: growth that overlaps less)."""
+    two are in (a stand-in for mars.policy.control.growth.Projection: growth that overlaps less)."""
 
     def __init__(self) -> None:
         self.added: list[int] = []

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from mars.policy.base import FcfsOrdering, NoRetention, OrderingPolicy, RetentionPolicy
-from mars.policy.baselines import (
+from mars.policy.engine.base import FcfsOrdering, NoRetention, OrderingPolicy, RetentionPolicy
+from mars.policy.engine.baselines import (
     AutellixPLAS,
     ContinuumDyRetention,
     ContinuumRetention,
     InferceptRetention,
     ProgramFCFS,
 )
-from mars.policy.mlfq import WindowedMLFQ
+from mars.policy.engine.mlfq import WindowedMLFQ
 from mars.policy.registry import POLICY_NAMES, PolicySpec, get_policy
-from mars.policy.retention import CostBenefitRetention
+from mars.policy.engine.retention import CostBenefitRetention
 
 EXPECTED = {
     # name: (ordering, retention, chunk_shrink, pin, sidecar_admission)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mars.policy.base import KvPressure, PinCandidate, RetentionPolicy
-from mars.policy.retention import (
+from mars.policy.engine.base import KvPressure, PinCandidate, RetentionPolicy
+from mars.policy.engine.retention import (
     CostBenefitRetention,
     PrefillRate,
     RetentionConfig,

@@ -1,11 +1,11 @@
-"""Tool slowdown (``mars.policy.slowdown``): contention shows, a tool's own variance does not."""
+"""Tool slowdown (``mars.policy.control.slowdown``): contention shows, a tool's own variance does not."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from mars.policy.slowdown import ToolSlowdown
+from mars.policy.control.slowdown import ToolSlowdown
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:

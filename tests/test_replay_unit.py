@@ -485,7 +485,7 @@ def test_tool_events_go_to_a_sidecar_when_present():
     kinds = [e["kind"] for e in fake.events]
     tools = sum(t.num_rounds - 1 for t in trace)
     assert kinds.count("tool_enqueue") == kinds.count("tool_start") == kinds.count("tool_end") == tools
-    from mars.policy.events import parse_event
+    from mars.protocol.events import parse_event
 
     for e in fake.events:
         parse_event(e)

@@ -202,7 +202,7 @@ def test_events_carry_session_ids(runs):
         tagged = [e for e in evs if e["kind"] == kind]
         assert tagged, kind
         assert all(e["session_id"] for e in tagged), kind
-    from mars.policy.events import parse_event
+    from mars.protocol.events import parse_event
 
     for e in evs:
         parse_event(e)

@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.usefixtures("scheduling")
 
 from mars.policy.registry import POLICY_NAMES  # noqa: E402
-from mars.vllm_patches.offline import BLOCK_SIZE, OfflineEngine, synthetic_token  # noqa: E402
+from mars.engine.harness.offline import BLOCK_SIZE, OfflineEngine, synthetic_token  # noqa: E402
 
 BS = BLOCK_SIZE
 PINNING = [p for p in POLICY_NAMES if p not in ("fcfs", "autellix", "mars_no_cosched")]

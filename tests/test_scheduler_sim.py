@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.usefixtures("scheduling")
 
-from mars.vllm_patches.offline import (  # noqa: E402
+from mars.engine.harness.offline import (  # noqa: E402
     BLOCK_SIZE, AgentLoop, AgentLoopDriver, OfflineEngine, synthetic_token)
 
 BS = BLOCK_SIZE
@@ -209,8 +209,8 @@ def test_short_calls_are_not_stuck_behind_a_long_prefill(budget):
     0.54 s bound; 0.42 s with it); measured between schedule() calls instead of at each
     step's output, a step's time is charged to the wrong step and they take 1.06 s, as long
     as under fcfs."""
-    from mars.policy.mlfq import WindowedMLFQ
-    from mars.vllm_patches.offline import linear_step_time
+    from mars.policy.engine.mlfq import WindowedMLFQ
+    from mars.engine.harness.offline import linear_step_time
 
     def step(tokens: int) -> float:
         return linear_step_time(type("Out", (), {"total_num_scheduled_tokens": tokens}))
@@ -268,7 +268,7 @@ def test_the_offline_engine_runs_the_class_vllm_builds(scheduling):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from mars.vllm_patches.scheduler import MarsAsyncScheduler, MarsScheduler
+    from mars.engine.sched.scheduler import MarsAsyncScheduler, MarsScheduler
 
     asy = scheduling == "async"
     eng = OfflineEngine("mars", num_blocks=256)

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 @pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "fcfs"])
 def test_every_reordering_policy_refuses_priority_scheduling_at_start(policy):
-    from mars.vllm_patches.sim_engine import engine_args_for
+    from mars.engine.harness.sim_engine import engine_args_for
 
     with pytest.raises(SystemExit, match=r"--scheduling-policy priority is not supported "
                                          rf"with --policy {policy}.*--policy fcfs"):
@@ -26,7 +26,7 @@ def test_every_reordering_policy_refuses_priority_scheduling_at_start(policy):
 def test_fcfs_serves_by_request_priority():
     """The mars scheduler class with --policy fcfs on vLLM's priority queue: lower priority
     values first, every request completes, the event hooks run."""
-    from mars.vllm_patches.offline import OfflineEngine
+    from mars.engine.harness.offline import OfflineEngine
 
     eng = OfflineEngine("fcfs", num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64,
                         scheduling_policy="priority")

@@ -78,7 +78,7 @@ def test_tool_choice_required_returns_parsed_call(server):
 def test_our_scheduler_runs_and_sees_vllm_xargs(server):
     start = read_events(server.events_file, "scheduler_start")
     assert start, "the mars scheduler never announced itself"
-    assert start[0]["scheduler_cls"] == "mars.vllm_patches.scheduler.MarsScheduler"
+    assert start[0]["scheduler_cls"] == "mars.engine.sched.scheduler.MarsScheduler"
     assert start[0]["policy"] == "fcfs"
     assert start[0]["block_size"] == 32  # CPU default applied
 
@@ -107,7 +107,7 @@ def test_session_header_is_a_fallback(server):
 
 
 def test_engine_events_validate_against_schema(server):
-    from mars.policy.events import parse_event
+    from mars.protocol.events import parse_event
 
     evs = read_events(server.events_file)
     assert {"scheduler_start", "gpu_submit", "gpu_1st_token", "gpu_end", "kv_snapshot"} <= {
@@ -127,7 +127,7 @@ def test_bad_request_gets_clear_error_and_server_keeps_serving(server):
 
 
 def test_cli_help_and_version():
-    exe = [sys.executable, "-m", "mars.vllm_patches.serve"]
+    exe = [sys.executable, "-m", "mars.engine.serve.cli"]
     out = subprocess.run([*exe, "serve", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--policy" in out.stdout and "--mars-events-file" in out.stdout

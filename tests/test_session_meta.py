@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars.policy.session import SessionMeta, SessionMetaError
+from mars.protocol.session import SessionMeta, SessionMetaError
 from mars.sidecar.request import BadRequest, parse_generate
 
 

@@ -215,7 +215,7 @@ def test_merged_stream_file_and_sse(stack, server):
     kinds = {e["kind"] for e in got}
     # control plane (sidecar) and GPU plane (engine) events of one session, one stream
     assert {"session_admit", "request_start", "gpu_submit"} <= kinds, kinds
-    from mars.policy.events import parse_event
+    from mars.protocol.events import parse_event
 
     def merged():
         return [e for e in read_events(stack.sidecar_events) if e.get("session_id") == "merged-1"]

@@ -253,7 +253,7 @@ def test_large_bodies_are_parsed_in_a_child_process(loop):
     import os
     import signal
 
-    from mars.policy.events import EventError
+    from mars.protocol.events import EventError
     from mars.sidecar.body_parser import BodyParser, BodyTooComplex
     from mars.sidecar.request import parse_event_batch
 

@@ -70,7 +70,7 @@ def test_a_hybrid_kv_model_never_stalls_with_the_pool_pinned(policy, miscount, f
     if miscount:
         # admission that always sees room (as the one-group count did here): the scheduler's
         # backstop must then release the pins itself
-        from mars.vllm_patches.coscheduler import CoScheduler
+        from mars.engine.sched.coscheduler import CoScheduler
 
         monkeypatch.setattr(CoScheduler, "_admission_blocks", lambda self, *a: 0)
     # the scenario as the preset found it, on the roofline step-time model, at twice the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars.policy.step_stats import StepStats
+from mars.policy.engine.step_stats import StepStats
 
 
 def _world(chunk: int, decodes: int = 6, fixed: float = 0.015, rate: float = 20_000.0):

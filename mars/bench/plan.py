@@ -1,6 +1,7 @@
 """What a bench will run, decided before anything starts: its configuration
-(:class:`BenchConfig`, checked here so that bad input fails in one line before a server or
-simulation starts), the seeded traces of every point (generated exactly as ``mars replay
+(:class:`BenchConfig`; the command, :mod:`mars.cli.bench`, checks its flags, and the
+policies, regimes and rates are resolved here, so that bad input fails in one line before a
+server or simulation starts), the seeded traces of every point (generated exactly as ``mars replay
 REGIME`` would), the points themselves, and the command line that runs each point (``mars
 replay`` against a server, or ``mars sim run`` in virtual time). No process is started here:
 :mod:`mars.bench.run` does that.

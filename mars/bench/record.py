@@ -1,11 +1,12 @@
 """What a bench leaves behind: ``bench.json`` (the configuration, every point's compact
 summary, the servers, the comparison), written after every point so that a crash loses nothing
 finished, and ``report.md`` (the command, the set-up, the tables of :mod:`mars.bench.report`).
-Pure functions of the document but :func:`write_document`.
+No I/O but :func:`write_document`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -134,8 +135,6 @@ def finite(obj: Any) -> Any:
 def write_document(path: Path, doc: Mapping[str, Any]) -> None:
     """``bench.json``, replaced atomically (workers finish points concurrently with --jobs, and
     an interrupted write must not leave half a document for ``--resume`` to read)."""
-    import json
-
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(finite(doc), indent=1) + "\n")
     tmp.replace(path)

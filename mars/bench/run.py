@@ -27,6 +27,8 @@ from typing import Any, TextIO
 
 from mars.launch import pinned_to
 
+from .ideal import SharedIdeals
+from .observe import last_line, loadavg, replay_progress, versions
 from .plan import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -49,8 +51,6 @@ from .record import (
     report_md,
     write_document,
 )
-from .ideal import SharedIdeals
-from .observe import last_line, loadavg, replay_progress, versions
 from .report import compare, format_tables, rate_key, write_plots
 
 
@@ -94,7 +94,7 @@ class Bench:
         self.starting: dict[str, tuple[Any, float]] = {}
         self.active: dict[tuple, tuple[Point, Path, float]] = {}
         self.ideals = SharedIdeals(cfg.out / "ideal", ideal=cfg.ideal,
-                                   simulated=cfg.sim is not None, lock=self.lock)
+                                   simulated=bool(cfg.sim), lock=self.lock)
         self.servers: dict[str, dict[str, Any]] = {}
         self.points: list[Point] = []
         self.traces: dict[tuple[str, str], Path] = {}
@@ -400,7 +400,6 @@ class Bench:
                 self._point(srv, p)
         finally:
             srv.stop()
-
 
     def _command(self, srv, p: Point, ideal: str) -> list[str]:
         trace = self.traces[(p.regime, rate_key(p.rate))]

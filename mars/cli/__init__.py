@@ -1,7 +1,9 @@
 """The ``mars`` command: every subcommand's module sits in this folder, above the libraries
 it drives (``sidecar``, ``bench``, ``sim``, ``replay``, ``workloads``, ``emulate``, ``demo``,
 ``openhands``; shared argument types in :mod:`mars.cli.types`); this file only wires them.
-Libraries below take typed configurations, never argv (``tests/test_layering.py``).
+Nothing below a command imports one (``tests/test_layering.py``); the libraries take typed
+configurations. (The GPU timing harness, ``mars.emulate.op_timing``, keeps a parser of its
+own: it runs alone as ``python -m`` on a GPU machine without vLLM.)
 
 Imports are lazy so that ``mars --help`` and the light subcommands stay fast and so that the
 command works in environments that lack vLLM (the agent environment) for what does not need it.
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional(sub) -> None:
-    """Subcommands owned by other components register themselves here."""
+    """Each command module registers its own subcommands; one missing from this build (the
+    agent environment lacks vLLM's) is left out."""
     import importlib
 
     for mod in ("mars.cli.workloads", "mars.cli.replay", "mars.cli.sidecar",

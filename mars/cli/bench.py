@@ -33,8 +33,7 @@ from mars.cli.types import cores as _cores
 from mars.cli.types import positive_float as _positive_float
 from mars.cli.types import positive_int as _positive_int
 from mars.cli.types import seeds as _seeds
-from mars.cli.types import slacks as _slacks
-from mars.workloads.goodput import DEFAULT_SLACKS
+from mars.cli.types import add_ideal_cache, add_request_timeout, add_slacks, add_tool_workers
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -220,15 +219,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ideal", default="auto", metavar="auto|skip|FILE",
                    help="ideal latencies for goodput: 'auto' measures them once per regime "
                         "(or takes them from the cache), 'skip', or a FILE for every point")
-    p.add_argument("--ideal-cache", metavar="DIR", help="ideal cache directory (see mars replay)")
-    p.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
-                   help="goodput slack factors (default 2,3,5)")
+    add_ideal_cache(p)
+    add_slacks(p)
     p.add_argument("--tool-burn", choices=BURN_MODES, default="cpu",
                    help="CPU-bound tools burn CPU time (cpu, default) or wall time (wall)")
-    p.add_argument("--tool-workers", type=_positive_int, metavar="N",
-                   help="concurrent CPU-bound tools (default: one per tool core)")
-    p.add_argument("--request-timeout", type=_positive_float, default=3600.0, metavar="S",
-                   help="per-call timeout of the replays (default 3600)")
+    add_tool_workers(p)
+    add_request_timeout(p)
     p.add_argument("--startup-timeout", type=_positive_float, default=600.0, metavar="S",
                    help="give up on a server not ready after S seconds (default 600)")
     p.add_argument("--no-run-plots", action="store_true",

@@ -69,13 +69,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from mars.emulate.published import POINTS
 
     if args.run:
-        from mars.vllm_patches.serving_bench import compare, table
+        from mars.engine.harness.serving_bench import compare, table
 
         preds = compare(progress=lambda m: print(f"running {m}", file=sys.stderr, flush=True))
     else:  # the documented predictions, as the tests hold them
         preds = {p.key: {sm: p.measured * (1 + e) for sm, e in p.documented.items()}
                  for p in POINTS}
-        from mars.vllm_patches.serving_bench import table
+        from mars.engine.harness.serving_bench import table
     print(f"Predictions vs published measurements {_LABEL}"
           + ("" if args.run else " (as documented; --run re-runs them, minutes)") + "\n")
     print(table(preds))
@@ -120,7 +120,7 @@ def _measure(extra: list[str], quick: bool) -> dict:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from mars.vllm_patches.calibration import (DISTURBED_RATIO, CalibrationGrid,
+    from mars.engine.harness.calibration import (DISTURBED_RATIO, CalibrationGrid,
                                                MeasuredEngine, measure_peaks, run_grid)
 
     print("mars emulate calibrate: starting the real engine on this machine (mars-vllm serve "
@@ -153,7 +153,7 @@ def _fit_profile(m: dict, args: argparse.Namespace):
     from mars.emulate.fit import fit_coefficients, relative_errors
     from mars.emulate.profile import DeviceProfile, EngineSettings
     from mars.emulate.specs import model_from_hf_config
-    from mars.vllm_patches.calibration import host_facts, last_level_cache_bytes, memory_gib
+    from mars.engine.harness.calibration import host_facts, last_level_cache_bytes, memory_gib
 
     name = args.name or f"{m['served']}@{args.device_name}"
     model = model_from_hf_config(name, m["config"])

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mars.workloads.goodput import DEFAULT_SLACKS
 
 from mars.workloads.generator import REGIMES, compress_time, generate, scale_trace
 from mars.workloads.httpclient import ReplayError
@@ -31,7 +30,7 @@ from mars.workloads.trace import Trace, TraceError, read_trace, write_trace
 from mars.cli.types import cores as _cores
 from mars.cli.types import positive_float as _positive_float
 from mars.cli.types import positive_int as _positive_int
-from mars.cli.types import slacks as _slacks
+from mars.cli.types import add_ideal_cache, add_request_timeout, add_slacks, add_tool_workers
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED_TASKS, EXIT_INTERRUPTED = 0, 1, 3, 130
 
@@ -359,13 +358,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "isolated run's results.json or {task_id: seconds} (default auto)")
     rp.add_argument("--ideal-tag", default="", metavar="TEXT",
                     help="extra text in the ideal cache key (e.g. the hardware)")
-    rp.add_argument("--ideal-cache", metavar="DIR",
-                    help="ideal cache directory (default $MARS_CACHE_DIR/ideal or ~/.cache/mars/ideal)")
+    add_ideal_cache(rp)
     rp.add_argument("--tool-cores", type=_cores, metavar="LIST",
                     help="cores the CPU-bound tools are pinned to, e.g. 2-3 (default: all "
                          "cores this process may use; pin the server elsewhere with taskset)")
-    rp.add_argument("--tool-workers", type=_positive_int, metavar="N",
-                    help="concurrent CPU-bound tools (default: one per tool core)")
+    add_tool_workers(rp)
     rp.add_argument("--tool-burn", choices=BURN_MODES, default="cpu",
                     help="CPU-bound tools burn their duration as CPU time (cpu, default) or "
                          "wall time (wall), or sleep it holding a slot (sleep)")
@@ -383,10 +380,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rp.add_argument("--events-file", metavar="FILE",
                     help="the engine's events JSONL (mars-vllm serve --mars-events-file): "
                          "sliced into events.jsonl for KV plots and cached tokens")
-    rp.add_argument("--request-timeout", type=_positive_float, default=3600.0, metavar="S",
-                    help="per-call timeout in seconds (default 3600)")
-    rp.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
-                    help="goodput slack factors (default 2,3,5)")
+    add_request_timeout(rp)
+    add_slacks(rp)
     rp.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.set_defaults(func=cmd_replay)
@@ -400,6 +395,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rr.add_argument("--names", help="comma-separated column names (default: run labels)")
     rr.add_argument("--plot", metavar="PNG", help="also draw the runs' latency CDFs into PNG")
     rr.add_argument("--json", action="store_true", help="print the runs' summaries as JSON")
-    rr.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
-                    help="goodput slack factors to show (default 2,3,5)")
+    add_slacks(rr, "goodput slack factors to show")
     rr.set_defaults(func=cmd_report)

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from mars.policy.admission import AdmissionConfig
+from mars.policy.control.admission import AdmissionConfig
 from mars.sidecar.auth import EVENTS_KEYS_ENV, KEYS_ENV
 from mars.sidecar.config import (
     SidecarConfig,
@@ -145,7 +145,6 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         open_metrics=args.open_metrics,
         log_level=args.log_level, access_log=args.access_log,
         drain_timeout_s=args.drain_timeout)
-
 
 
 def _cmd(args: argparse.Namespace) -> int:

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.cli.types import positive_int as _positive_int
-from mars.cli.types import slacks as _slacks
-from mars.workloads.goodput import DEFAULT_SLACKS
+from mars.cli.types import add_ideal_cache, add_slacks
 
 DEFAULT_GPU = "h100-nvl"
 DEFAULT_MODEL = "qwen3-coder-30b-a3b"
@@ -106,7 +105,7 @@ def scheduling_class(engine_args: str) -> str:
     """The class the simulated engines will run: async (vLLM's default on a GPU) unless
     asked for sync, or unless this process cannot keep it (the platform plugin did not
     load: docs/emulation.md, *Pacing*)."""
-    from mars.vllm_patches.platform import emulated_async_available
+    from mars.engine.executor.platform import emulated_async_available
 
     if "--no-async-scheduling" in engine_args or not emulated_async_available():
         return "sync"
@@ -323,11 +322,10 @@ def register(sub) -> None:
     r.add_argument("--ideal", default="auto", metavar="auto|skip|FILE",
                    help="ideal latencies: auto = simulate each task alone (cached), skip, or "
                         "a file as for mars replay (default auto)")
-    r.add_argument("--ideal-cache", metavar="DIR", help="ideal cache directory")
+    add_ideal_cache(r)
     r.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="policies simulated in parallel processes (default 1)")
-    r.add_argument("--slacks", type=_slacks, default=DEFAULT_SLACKS, metavar="LIST",
-                   help="goodput slack factors (default 2,3,5)")
+    add_slacks(r)
     r.add_argument("--out", metavar="DIR", help="output directory (default runs/sim-...)")
     r.add_argument("--flat", action="store_true",
                    help="one policy: write its results.json and events.jsonl into --out itself "

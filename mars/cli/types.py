@@ -68,3 +68,31 @@ def seeds(s: str) -> list[int]:
     if not out or len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"seeds must be distinct and at least one (got {s!r})")
     return out
+
+
+# ------------------------------------------------------------------ options shared by commands
+# Declared once so that a flag several commands take means the same and reads the same in
+# each command's --help.
+
+
+def add_slacks(p: argparse.ArgumentParser, what: str = "goodput slack factors") -> None:
+    from mars.workloads.goodput import DEFAULT_SLACKS
+
+    p.add_argument("--slacks", type=slacks, default=DEFAULT_SLACKS, metavar="LIST",
+                   help=f"{what} (default {','.join(f'{s:g}' for s in DEFAULT_SLACKS)})")
+
+
+def add_ideal_cache(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ideal-cache", metavar="DIR",
+                   help="ideal cache directory (default $MARS_CACHE_DIR/ideal or "
+                        "~/.cache/mars/ideal)")
+
+
+def add_tool_workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-workers", type=positive_int, metavar="N",
+                   help="concurrent CPU-bound tools (default: one per tool core)")
+
+
+def add_request_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-timeout", type=positive_float, default=3600.0, metavar="S",
+                   help="per-call timeout in seconds (default 3600)")

@@ -83,7 +83,7 @@ class Mxfp4Kernel:
     relative_speed: float = 1.0
 
 
-#: taken from published measurements (``python -m mars.vllm_patches.serving_bench --fit``;
+#: taken from published measurements (``python -m mars.engine.harness.serving_bench --fit``;
 #: docs/emulation.md, *Measured profiles*): the step overhead from ``qwen-h200-c1-tpot``, the
 #: per-token prefill cost from ``qwen-h100nvl-4096x8``; the rest of the published points
 #: check them

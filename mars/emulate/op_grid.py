@@ -1,9 +1,10 @@
 """What the operator-timing harness times and what it writes: the model (a shipped one or a
 Hugging Face ``config.json``), the operators (one term of the step-time model each, for one
 layer), the grids of shapes (``quick`` for a CPU and the tests, the default, and ``dense``,
-which the shipped tables were measured on), and one record per timed point (:class:`OpTiming`, the ``mars-op-timings/1`` format). Read by the harness
-(:mod:`mars.emulate.op_timing`, which needs PyTorch) and by everything that reads its files
-(:mod:`mars.emulate.op_fit`, :mod:`mars.emulate.op_tables`), which do not.
+which the shipped tables were measured on), and one record per timed point (:class:`OpTiming`,
+the ``mars-op-timings/1`` format). Read by the harness (:mod:`mars.emulate.op_timing`, which
+needs PyTorch) and by what reads its files (:mod:`mars.emulate.op_fit`,
+:mod:`mars.emulate.op_tables`), which do not.
 """
 
 from __future__ import annotations

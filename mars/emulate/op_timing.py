@@ -5,7 +5,7 @@ and what ``mars emulate fit-ops`` fits the roofline's efficiencies to (any machi
     python3 -m mars.emulate.op_timing --model qwen3-coder-30b-a3b --out ops-qwen.json
     mars emulate fit-ops ops-qwen.json        # the profile follows the device name
 
-What is timed, per layer (the step-time model's terms, one layer each):
+What is timed, per layer (the step-time model's terms; the grids: :mod:`mars.emulate.op_grid`):
 
 * ``projections``: the Q/K/V GEMM and the O GEMM of ``T`` tokens;
 * ``moe``: the router GEMM and every expert's gate/up and down GEMMs for ``T`` tokens routed
@@ -21,14 +21,13 @@ What is timed, per layer (the step-time model's terms, one layer each):
 Caveats, recorded in the docs: weights and KV are timed in the compute dtype (BF16;
 gpt-oss's MXFP4 experts cannot run as MXFP4 in PyTorch, so the fit prices the bytes actually
 moved and applies the fitted efficiencies to MXFP4 bytes); PyTorch's SDPA kernels stand in
-for vLLM's attention backends; nothing of vLLM's host-side work (scheduling,
-sampling, output processing) is here, so the per-step, per-layer and per-request overheads
-are not fitted. Each operand is rotated over enough copies to exceed the device's last-level
+for vLLM's attention backends; vLLM's host-side work (scheduling, sampling, output
+processing) is not here, so the per-step, per-layer and per-request overheads are not fitted. Each operand is rotated over enough copies to exceed the device's last-level
 cache several times, as in a real forward pass where other layers' weights evict it.
 
-What is timed and the file format: :mod:`mars.emulate.op_grid`; how one time is taken:
-:mod:`mars.emulate.op_clock`. Imports only the standard library and those at module level;
-torch is imported when timing starts, so it runs on a GPU machine that has PyTorch alone.
+One time is taken by :mod:`mars.emulate.op_clock`. At module level this imports only the
+standard library, ``op_grid``, ``op_clock`` and ``specs``; torch is imported when timing
+starts, so it runs on a GPU machine that has PyTorch alone.
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from mars.emulate.op_grid import (
     load_model,
 )
 from mars.emulate.specs import ModelSpec
+
 
 class OpTimer:
     """Times one layer's operators of ``model`` on ``device`` (a torch device string)."""

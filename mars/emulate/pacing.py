@@ -4,7 +4,7 @@ A real engine on an H100/H200 runs vLLM with asynchronous scheduling: the host p
 ``k+1`` (scheduling, input preparation, output processing of step ``k``) while the GPU runs step
 ``k``, so the step cadence is ``max(GPU time, host time)``. The emulated engine runs either way:
 
-* **async** (the default, as on the card; :mod:`mars.vllm_patches.emulated_platform`): vLLM's
+* **async** (the default, as on the card; :mod:`mars.engine.executor.emulated_platform`): vLLM's
   ``step_with_batch_queue`` launches a step and schedules the next one before the first one's
   outputs are processed. The pacer keeps the card's timeline: a launched step starts when the
   device finishes the one before it (or at once if the device is idle) and lasts its modeled

@@ -2,12 +2,12 @@
 
 Four of them also set the measured step-time model's three values the operator timings cannot
 (its step overhead, per-token cost and MXFP4 speed; :data:`TAKEN`,
-``mars.vllm_patches.serving_bench.fit``): those are marked and left out of the error summary.
+``mars.engine.harness.serving_bench.fit``): those are marked and left out of the error summary.
 
 Each point is a number someone measured with vLLM's own benchmark (``vllm bench serve`` or
 ``vllm bench throughput``) on a real H100 or H200, one GPU, with a stated set-up. The
 emulation predicts it by running the same benchmark on vLLM's engine over the emulated GPU
-(:mod:`mars.vllm_patches.serving_bench`): ``mars emulate compare`` prints the table that
+(:mod:`mars.engine.harness.serving_bench`): ``mars emulate compare`` prints the table that
 docs/emulation.md shows, once with the measured step-time model and once with the roofline it
 replaced. Where a source leaves a detail open (ShareGPT's length distribution, the engine
 version's defaults) the point says what was assumed.

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mars.policy.base import SessionMeta
-from mars.policy.events import make_event
+from mars.protocol.session import SessionMeta
+from mars.protocol.events import make_event
 
 from .sink import EventSink
 from .workspace import Workspace

@@ -14,16 +14,16 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mars.policy.base import FcfsOrdering, NoRetention, OrderingPolicy, RetentionPolicy
-from mars.policy.baselines import (
+from mars.policy.engine.base import FcfsOrdering, NoRetention, OrderingPolicy, RetentionPolicy
+from mars.policy.engine.baselines import (
     AutellixPLAS,
     ContinuumDyRetention,
     ContinuumRetention,
     InferceptRetention,
     ProgramFCFS,
 )
-from mars.policy.mlfq import WindowedMLFQ
-from mars.policy.retention import CostBenefitRetention
+from mars.policy.engine.mlfq import WindowedMLFQ
+from mars.policy.engine.retention import CostBenefitRetention
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class PolicySpec:
     #: the sidecar's external admission controller gates new sessions (§4.2)
     sidecar_admission: bool
     #: growth room (tokens per running call) kept free when admitting; 0 = vLLM's rule
-    #: (:mod:`mars.policy.headroom`; part of the co-scheduler, like chunk shrinking)
+    #: (:mod:`mars.policy.engine.headroom`; part of the co-scheduler, like chunk shrinking)
     admit_headroom_tokens: int = 0
     #: a running prefill ranked below admissible waiting calls leaves them its tokens (part
     #: of MARS's Priority-Aware Coordinator; no baseline paper describes it)

@@ -46,8 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mars.policy.admission import QueueFull
-from mars.policy.events import TOOL_KINDS, EventError, make_event
+from mars.policy.control.admission import QueueFull
+from mars.protocol.events import TOOL_KINDS, EventError, make_event
 from mars.sidecar.auth import Access, Authenticator
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.control import AdmissionTimeout, ControlPlane, Session, SessionClosed

@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mars.policy.events import Event
+from mars.protocol.events import Event
 from mars.sidecar.request import (SESSION_HEADERS, GenerateRequest, parse_event_batch,
                                   parse_generate)
 

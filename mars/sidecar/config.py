@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from mars.policy.admission import AdmissionConfig
-from mars.policy.packing import PackConfig
-from mars.policy.pressure import PressureConfig
-from mars.policy.window import AIMDConfig
+from mars.policy.control.admission import AdmissionConfig
+from mars.policy.control.packing import PackConfig
+from mars.policy.control.pressure import PressureConfig
+from mars.policy.control.window import AIMDConfig
 
 #: AdmissionConfig's nested configurations, by their key in an override object
 _SUB = {"aimd": AIMDConfig, "packing": PackConfig, "pressure": PressureConfig}
@@ -28,7 +28,7 @@ _SUB = {"aimd": AIMDConfig, "packing": PackConfig, "pressure": PressureConfig}
 def engine_events_for(upstream: str) -> str:
     """The engine events endpoint ``mars-vllm serve --no-sidecar --port P`` binds by default.
 
-    Same rule as ``mars.vllm_patches.serve.default_events_endpoint`` (not imported: the
+    Same rule as ``mars.engine.serve.cli.default_events_endpoint`` (not imported: the
     sidecar must not pull in vLLM).
     """
     port = urlsplit(upstream).port or 80
@@ -52,8 +52,9 @@ def admission_config(overrides: Mapping[str, Any] | None = None, *,
                      max_queue: int | None = None) -> AdmissionConfig:
     """The control plane's configuration from an override object (``AdmissionConfig``'s
     keys; ``aimd`` / ``packing`` / ``pressure`` as objects of their own) and the sidecar's
-    named options, which win over it. ``tool_cores`` defaults to this host's cores: the
-    tools run beside the sidecar unless told otherwise."""
+    named options: the windows and ``max_queue`` win over the object; ``tool_cores`` only
+    fills ``pressure.tool_cores`` where the object leaves it out, and when it is None or 0
+    this host's cores are taken (the tools run beside the sidecar unless told otherwise)."""
     raw = dict(overrides or {})
     subs = {k: dict(raw.pop(k, None) or {}) for k in _SUB}
     aimd = subs["aimd"]

@@ -1,7 +1,7 @@
 """Session admission on the event loop: the asyncio shell around the sans-IO core.
 
 Every decision and all session bookkeeping live in
-:class:`mars.sidecar.admission_core.AdmissionCore` (which drives ``BalanceAndAdmit``); this
+:class:`mars.policy.control.admission_core.AdmissionCore` (which drives ``BalanceAndAdmit``); this
 module only turns them into waiting and waking HTTP requests, metrics and timers:
 
 * A request of an **admitted** session goes straight through (a dict lookup).
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mars.policy.admission import QueueFull
-from mars.sidecar.admission_core import (OBSERVED_KINDS, STEP_KINDS, AdmissionCore,
+from mars.policy.control.admission import QueueFull
+from mars.policy.control.admission_core import (OBSERVED_KINDS, STEP_KINDS, AdmissionCore,
                                          CoreConfig, Listener, SessionState)
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.metrics import SidecarMetrics

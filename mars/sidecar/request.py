@@ -16,7 +16,7 @@ re-serialisation on the hot path).
 Everything else in the body is the engine's business: unknown top-level fields and the other
 ``vllm_xargs`` keys are passed through and vLLM answers for them. Only what the sidecar itself
 relies on is checked here (a JSON object, ``vllm_xargs`` an object, the session metadata by
-the one rule set of :mod:`mars.policy.session`), and a violation is a 400 with a message.
+the one rule set of :mod:`mars.protocol.session`), and a violation is a 400 with a message.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from mars.policy.events import Event, EventError, parse_events
-from mars.policy.session import SessionMeta, SessionMetaError, session_id_value
+from mars.protocol.events import Event, EventError, parse_events
+from mars.protocol.session import SessionMeta, SessionMetaError, session_id_value
 
 #: header fallbacks for the session id, in order
 SESSION_HEADERS = ("x-session-id", "x-mars-session-id", "x-litellm-session-id")
@@ -151,7 +151,7 @@ MAX_CLOCK_AHEAD_S = 60.0
 
 def parse_event_batch(body: bytes, now: float | None = None) -> list[Event]:
     """A posted event batch (a JSON list of events, or one object), validated whole; raises
-    :class:`~mars.policy.events.EventError` with a message naming what is wrong. With
+    :class:`~mars.protocol.events.EventError` with a message naming what is wrong. With
     ``now`` (the sidecar's clock), no ``ts`` may be more than :data:`MAX_CLOCK_AHEAD_S`
     ahead of it."""
     if not body:

@@ -1,8 +1,8 @@
 """``mars sim``: the served stack's decisions in virtual time (issue #16).
 
 One process, one virtual clock: vLLM's own ``EngineCore`` with our scheduler on the emulated
-GPU (:mod:`mars.vllm_patches.sim_engine`), the sidecar's admission core
-(:class:`mars.sidecar.admission_core.AdmissionCore`, the object the served sidecar drives),
+GPU (:mod:`mars.engine.harness.sim_engine`), the sidecar's admission core
+(:class:`mars.policy.control.admission_core.AdmissionCore`, the object the served sidecar drives),
 tools on ``N`` virtual CPU cores, and the replay's trace semantics. Each engine step advances
 the clock by the step-time model's time for the batch vLLM scheduled; nothing here decides
 what runs. Outputs are ``mars replay``'s ``results.json`` and ``events.jsonl``.

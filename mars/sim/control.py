@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mars.policy.admission import QueueFull
-from mars.policy.events import make_event
-from mars.sidecar.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
+from mars.policy.control.admission import QueueFull
+from mars.protocol.events import make_event
+from mars.policy.control.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
 from mars.sidecar.config import SidecarConfig, admission_config
 from mars.sim.clock import Timeline, VirtualClock
 
@@ -26,8 +26,9 @@ __all__ = ["QueueFull", "SimControl", "sidecar_config"]
 
 def sidecar_config(admission: bool, tool_cores: int, block_size: int) -> SidecarConfig:
     """The sidecar's configuration as ``mars-vllm serve --tool-cores N`` starts it: defaults
-    but the admission switch, the tool cores and the engine's KV block size (a test holds it
-    equal to what ``mars sidecar``'s parser makes of the same flags)."""
+    but the admission switch, the tool cores and the engine's KV block size. A test holds
+    every field but the served-only ones (upstream, engine events, API keys) equal to what
+    ``mars sidecar``'s parser makes of the same flags."""
     return SidecarConfig(
         upstream="http://sim", admission=admission,
         admission_config=admission_config({"packing": {"block_size": block_size}},

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.policy.registry import get_policy
-from mars.sidecar.admission_core import SessionState
+from mars.policy.control.admission_core import SessionState
 from mars.sim.clock import Timeline, VirtualClock
 from mars.sim.control import QueueFull, SimControl, sidecar_config
 from mars.sim.host import HostModel
@@ -103,7 +103,7 @@ class Simulation:
     (the isolated run, then the load run, like ``mars replay --ideal auto``)."""
 
     def __init__(self, cfg: SimConfig, *, events_path: str | Path | None = None) -> None:
-        from mars.vllm_patches.sim_engine import SimEngine
+        from mars.engine.harness.sim_engine import SimEngine
 
         self.cfg = cfg
         self.clock = VirtualClock(SIM_EPOCH)

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from mars.policy.events import make_event
+from mars.protocol.events import make_event
 
 
 #: events that end a session: a tool-runner key may not post them (docs/sidecar.md, "Trust

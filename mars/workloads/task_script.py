@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mars.policy.base import SessionMeta
+from mars.protocol.session import SessionMeta
 
 from .prompts import TokenSpace, first_prompt, next_prompt
 from .trace import Round, Task

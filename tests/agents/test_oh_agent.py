@@ -16,8 +16,8 @@ pytest.importorskip("openhands.sdk")
 
 from mars.openhands_integration.agent import AgentConfig, run_session  # noqa: E402
 from mars.openhands_integration.tasks import Task  # noqa: E402
-from mars.policy.base import SessionMeta  # noqa: E402
-from mars.policy.events import parse_events  # noqa: E402
+from mars.protocol.session import SessionMeta  # noqa: E402
+from mars.protocol.events import parse_events  # noqa: E402
 
 pytestmark = [pytest.mark.agents, pytest.mark.timeout(120)]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mars.openhands_integration.sink import EventSink, events_url
-from mars.policy.events import make_event, parse_events
+from mars.protocol.events import make_event, parse_events
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -32,7 +32,7 @@ from mars.openhands_integration.tools import (  # noqa: E402
     mars_tool_specs,
 )
 from mars.openhands_integration.workspace import Workspace, tagged_pids  # noqa: E402
-from mars.policy.events import parse_event  # noqa: E402
+from mars.protocol.events import parse_event  # noqa: E402
 
 pytestmark = [pytest.mark.agents, pytest.mark.timeout(90)]
 

