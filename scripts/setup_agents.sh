@@ -69,6 +69,9 @@ root, want = sys.argv[1], sys.argv[2]
 assert md.version("openhands-sdk") == want and md.version("openhands-tools") == want
 import mars, pytest, pytest_timeout  # noqa: F401
 assert pathlib.Path(mars.__file__).resolve().is_relative_to(pathlib.Path(root).resolve()), mars.__file__
+import importlib.util  # entry points of an install made before a module moved: reinstall
+for ep in md.distribution("mars-serve").entry_points:
+    assert importlib.util.find_spec(ep.module) is not None, ep
 PYEOF
 then
     exit 0

@@ -56,13 +56,13 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("h100-qwen", "h100-nvl:qwen3-coder-30b-a3b",
-           {"ILR-1": 0.26, "ILR-2": 0.18, "ILR-3": 0.12, "ILR-4": 0.033}, FIVE,
+           {"ILR-1": 0.24, "ILR-2": 0.13, "ILR-3": 0.11, "ILR-4": 0.026}, FIVE,
            "H100 NVL + Qwen3-Coder-30B-A3B, ILR-1..4, 5 rates each", "Figures 7, 9, 13"),
     Preset("h100-gptoss", "h100-nvl:gpt-oss-120b",
-           {"S-ILR-1": 0.39, "S-ILR-2": 0.37, "S-ILR-3": 0.15}, FIVE,
+           {"S-ILR-1": 0.3, "S-ILR-2": 0.27, "S-ILR-3": 0.12}, FIVE,
            "H100 NVL + GPT-OSS-120B, S-ILR-1..3, 5 rates each", "Figure 8"),
     Preset("h200-qwen", "h200-nvl:qwen3-coder-30b-a3b",
-           {"ILR-1": 0.29, "ILR-2": 0.2, "ILR-3": 0.17, "ILR-4": 0.068}, SEVEN,
+           {"ILR-1": 0.24, "ILR-2": 0.13, "ILR-3": 0.12, "ILR-4": 0.042}, SEVEN,
            "H200 NVL + Qwen3-Coder-30B-A3B, ILR-1..4, 7 rates each", "Figure 10"),
 )}
 
