@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --ignore=tests/agents tests || rc=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 --ignore=tests/agents tests || rc=$?
 if [ -x .venv-agents/bin/python ]; then
   port=$(.venv/bin/python -c "from mars.launch import free_port; print(free_port())")
   log=$(mktemp -d)/agents-server.log

@@ -81,6 +81,7 @@ class Sidecar:
         self.hub = EventHub(self.metrics, config.events_file, config.sse_queue)
         self.control = ControlPlane(config, self.hub.publish, self.metrics)
         self.hub.add_observer(self.control.observe)
+        self.hub.add_observer(self.metrics.stream.observe)
         self.upstream = make_upstream(config.upstream_client, config.upstream,
                                       connect_timeout_s=config.connect_timeout_s,
                                       read_timeout_s=config.read_timeout_s,
@@ -370,12 +371,20 @@ class Sidecar:
             "admission_enabled": ("1 if the sidecar gates new sessions", 1 if self.control.admission else 0),
             "window": ("Raw AIMD window W", snap["window"]),
             "window_budget": ("Admitted sessions allowed: min(W, caps), clamped", snap["budget"]),
+            "window_limit": ("1 for what bounds the admitted sessions now (the smallest of the "
+                             "AIMD window, the CPU cap and the KV cap), else 0",
+                             _binding(snap), ("limit",)),
+            "window_mode": ("1 for the last window decision (increase, decrease, hold), else 0",
+                            {(m,): (None if snap["mode"] is None else int(snap["mode"] == m))
+                             for m in WINDOW_MODES}, ("mode",)),
             "cpu_cap": ("Session cap from CPU pressure (Little's law)", snap["cpu_cap"]),
             "kv_cap": ("Session cap from KV utilisation (soft cap)", snap["kv_cap"]),
             "sessions_active": ("Sessions holding a window slot (window occupancy)", snap["admitted"]),
             "sessions_queued": ("Sessions waiting for admission", snap["queued"]),
             "requests_inflight": ("Requests forwarded and not finished", snap["inflight"]),
             "active_tools": ("Running tool calls (CPU plane)", s["active_tools"]),
+            "tools_queued": ("Tool calls enqueued by their runner and not started (waiting "
+                             "for a core)", self.metrics.stream.tools_queued),
             "cpu_load": ("Active tools per tool core", s["cpu_load"]),
             "tool_duration_ema_seconds": ("EMA of tool durations", s["tool_duration_ema_s"]),
             "tool_slowdown": ("Tool slowdown over the per-type baseline (1 unless significant)",
@@ -396,6 +405,19 @@ class Sidecar:
 
 def _noop(_outcome: str) -> None:
     pass
+
+
+#: the window decision's modes (mars.policy.control.window.WindowDecision.mode)
+WINDOW_MODES = ("increase", "decrease", "hold")
+
+
+def _binding(snap: dict[str, Any]) -> dict[tuple[str], int | None]:
+    """Which of the window and the two caps is the smallest now (ties: the first named)."""
+    limits = {"window": snap["window"], "cpu": snap["cpu_cap"], "kv": snap["kv_cap"]}
+    if any(v is None for v in limits.values()):
+        return {(k,): None for k in limits}
+    low = min(limits, key=lambda k: limits[k])
+    return {(k,): int(k == low) for k in limits}
 
 
 def _authorization(scope) -> str | None:

@@ -19,6 +19,8 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
                                generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
+from mars.sidecar.stream_metrics import StreamMetrics
+
 # ``*_created`` timestamp series double the output and nobody plots them
 disable_created_metrics()
 
@@ -103,6 +105,8 @@ class SidecarMetrics:
         self.request_seconds = Histogram(PREFIX + "request_seconds",
                                          "Generation request duration at the sidecar",
                                          buckets=LATENCY_BUCKETS, registry=r)
+        #: what the engine and the tools did, read off the merged stream (an observer)
+        self.stream = StreamMetrics(r, PREFIX)
         self._req_children: dict[tuple[str, int], Any] = {}
         self._event_children: dict[tuple[str, str], Any] = {}
         self._end_children: dict[str, Any] = {}
