@@ -160,3 +160,33 @@ def test_context_limit_stops_a_task(server, tmp_path):
     assert t.status == "truncated" and len(t.rounds) == 2
     assert "max_model_len 16384" in t.error
     assert t.rounds[1].prompt_tokens == 16114 and t.rounds[1].cached_tokens >= 8096
+
+
+def test_mars_top_watches_a_replay_live(server, tmp_path):
+    """``mars top`` in a tmux pane while a replay runs against the real engine: the replay's
+    sessions appear on screen as the sidecar admits them, with the engine's KV pool and the
+    stream's events; then it quits on its key."""
+    from tests.tmux import mars_top
+
+    with mars_top(server.url, tmp_path, "--interval", "0.3") as pane:
+        pane.wait_for(f"mars top  {server.url}")
+        out = tmp_path / "run"
+        replay = subprocess.Popen(
+            [sys.executable, "-m", "mars.cli", "replay", *SCALED, "--url", server.url,
+             "--ideal", "skip", "--no-plots", "--salt", "top", "--out", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        screens = []
+        while replay.poll() is None:
+            screens.append(pane.capture())
+            time.sleep(0.3)
+        assert replay.returncode == 0, replay.stderr.read()[-3000:]
+        screens.append(pane.capture())
+        pane.keys("q")
+        assert pane.exit_code() == 0 and "Traceback" not in pane.stderr()
+    tasks = [t.task_id for t in read_results(out).tasks]
+    # each session lives for seconds (rounds and tools): some frame shows it
+    seen = {t for t in tasks if any(t in s for s in screens)}
+    assert seen, (tasks, screens[len(screens) // 2])
+    last = screens[-1]
+    total = int(last.split(" of ")[1].split(" blocks")[0])
+    assert total > 0 and " events 0 " not in last

@@ -1,0 +1,177 @@
+"""``mars top --url URL``: a live terminal view of what a mars sidecar is doing.
+
+It polls the control plane's state and sessions every ``--interval`` seconds and follows the
+unified event stream for what only the stream says (tools, pins, preemptions); the model
+(:mod:`mars.top.model`) joins them and the view (:mod:`mars.top.view`) draws them with rich.
+Keys: ``s`` sort, ``f`` filter by state, ``q`` (or Ctrl-C) quit. A server that does not
+answer, or stops answering, ends it with one line saying so (status 1), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import select
+import sys
+import threading
+import time
+from typing import Any
+
+from mars.cli.types import positive_float
+
+
+class SidecarGone(Exception):
+    """The sidecar did not answer (down, not a sidecar, or refused the key)."""
+
+
+class Source:
+    """The sidecar's HTTP side: polled state, and the event stream on a thread of its own."""
+
+    def __init__(self, url: str, api_key: str | None, timeout_s: float = 5.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=100_000)
+        self.stream_error: str | None = None
+        self._stop = threading.Event()
+
+    def _get(self, path: str) -> Any:
+        import httpx
+
+        try:
+            r = self.client.get(path)
+        except httpx.HTTPError as e:
+            raise SidecarGone(f"no answer from {self.url} ({type(e).__name__}: {e})") from None
+        if r.status_code == 404:
+            raise SidecarGone(f"{self.url} is not a mars sidecar (no {path}); give the "
+                              "public port of `mars-vllm serve` or of `mars sidecar`")
+        if r.status_code == 401:
+            raise SidecarGone(f"{self.url} wants an API key (--api-key, or $VLLM_API_KEY)")
+        if r.status_code != 200:
+            raise SidecarGone(f"{self.url}{path} answered {r.status_code}")
+        return r.json()
+
+    def poll(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return self._get("/v1/mars/state"), self._get("/v1/mars/sessions")["sessions"]
+
+    def follow(self, kinds: tuple[str, ...]) -> None:
+        threading.Thread(target=self._follow, args=(kinds,), daemon=True,
+                         name="mars-top-stream").start()
+
+    def _follow(self, kinds: tuple[str, ...]) -> None:
+        import json
+
+        import httpx
+
+        try:
+            with self.client.stream("GET", "/v1/mars/events/stream",
+                                    params={"kind": ",".join(kinds)},
+                                    timeout=httpx.Timeout(5.0, read=None)) as r:
+                for line in r.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if line.startswith("data: "):
+                        with contextlib.suppress(ValueError, queue.Full):
+                            self.events.put_nowait(json.loads(line[6:]))
+        except httpx.HTTPError as e:
+            self.stream_error = f"{type(e).__name__}: {e}"
+        else:
+            self.stream_error = "the event stream ended"
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close()
+
+
+class Keys:
+    """Single key presses from a terminal (cbreak mode, restored on exit); none elsewhere."""
+
+    def __init__(self) -> None:
+        self.fd = sys.stdin.fileno() if sys.stdin.isatty() else None
+        self._saved: Any = None
+
+    def __enter__(self) -> Keys:
+        if self.fd is not None:
+            import termios
+            import tty
+
+            self._saved = termios.tcgetattr(self.fd)
+            tty.setcbreak(self.fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            import termios
+
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+
+    def read(self, timeout_s: float) -> str | None:
+        if self.fd is None:
+            time.sleep(timeout_s)
+            return None
+        ready, _, _ = select.select([self.fd], [], [], timeout_s)
+        return os.read(self.fd, 1).decode(errors="ignore") if ready else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from mars.top.model import KINDS, TopModel
+    from mars.top.view import frame
+
+    src = Source(args.url, args.api_key)
+    model = TopModel()
+    console = Console()
+    try:
+        model.poll(*src.poll())
+        if args.once:
+            console.print(frame(model, src.url, time.time()))
+            return 0
+        src.follow(KINDS)
+        with Keys() as keys, Live(frame(model, src.url, time.time()), console=console,
+                                  auto_refresh=False, screen=False) as live:
+            next_poll = time.monotonic() + args.interval
+            while True:
+                key = keys.read(min(0.2, args.interval))
+                if key in ("q", "Q"):
+                    break
+                if key in ("s", "S"):
+                    model.next_sort()
+                elif key in ("f", "F"):
+                    model.next_filter()
+                while not src.events.empty():
+                    model.event(src.events.get_nowait())
+                if time.monotonic() >= next_poll:
+                    model.poll(*src.poll())
+                    next_poll = time.monotonic() + args.interval
+                live.update(frame(model, src.url, time.time()), refresh=True)
+    except SidecarGone as e:
+        print(f"mars top: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        src.close()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("top", help="a live terminal view of a mars sidecar (window, KV, "
+                                   "sessions, pins, tools)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the sidecar: the public URL of `mars-vllm serve` or `mars sidecar` "
+                        "(default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), metavar="KEY",
+                   help="the sidecar's API key, if it has one (default: $VLLM_API_KEY)")
+    p.add_argument("--interval", type=positive_float, default=1.0, metavar="S",
+                   help="seconds between polls of the control plane (default: %(default)s)")
+    p.add_argument("--once", action="store_true",
+                   help="print one frame of the polled state and exit (scripts, logs; the "
+                        "stream's tools and pins show in the live view)")
+    p.set_defaults(func=run)
