@@ -137,9 +137,9 @@ def _graph() -> dict[str, set[str]]:
     return {m: {t for t in _mars_imports(p) if t in files and t != m} for m, p in files.items()}
 
 
-#: process entry points outside mars/cli/ (``python -m mars.sidecar``: what ``mars-vllm
-#: serve`` starts); they only hand their arguments to a command
-COMMANDS_ELSEWHERE = {"mars.sidecar.__main__"}
+#: process entry points outside mars/cli/ that only hand their arguments to a command (none
+#: now: ``mars-vllm serve`` starts its sidecar as ``python -m mars.cli.sidecar``)
+COMMANDS_ELSEWHERE: set[str] = set()
 
 
 def _is_command(m: str) -> bool:

@@ -3,7 +3,8 @@
     mars sidecar --upstream http://127.0.0.1:8001 --port 8000 [--admission on|off]
                  [--events-file F] [--engine-events ENDPOINT|none] ...
 
-``mars-vllm serve`` starts this by default on the public port (see ``--no-sidecar``).
+``mars-vllm serve`` starts this by default on the public port, as ``python -m
+mars.cli.sidecar`` (see ``--no-sidecar``).
 """
 
 from __future__ import annotations
@@ -171,3 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     return _cmd(p.parse_args(argv))
 
+
+if __name__ == "__main__":  # ``python -m mars.cli.sidecar``: what ``mars-vllm serve`` starts
+    sys.exit(main())

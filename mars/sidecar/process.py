@@ -17,7 +17,7 @@ from mars.launch import clean_environ, free_port, stop_process_group, tail_file
 
 @dataclass
 class SidecarProcess:
-    """``python -m mars.sidecar --upstream URL ...`` on 127.0.0.1. Use as a context manager."""
+    """``python -m mars.cli.sidecar --upstream URL ...`` on 127.0.0.1. Use as a context manager."""
 
     upstream: str
     args: list[str] = field(default_factory=list)
@@ -36,7 +36,7 @@ class SidecarProcess:
         self.port = self.port or free_port()
         if self.log_path is None:
             self.log_path = os.path.join(tempfile.mkdtemp(prefix="mars-sidecar-"), "sidecar.log")
-        cmd = [sys.executable, "-m", "mars.sidecar", "--upstream", self.upstream,
+        cmd = [sys.executable, "-m", "mars.cli.sidecar", "--upstream", self.upstream,
                "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

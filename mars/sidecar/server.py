@@ -1,7 +1,7 @@
 """Run the sidecar's app under uvicorn, as one process: the served shell's outermost layer.
 
-The command (:mod:`mars.cli.sidecar`, and ``python -m mars.sidecar``, which ``mars-vllm serve``
-starts) reads a :class:`SidecarConfig` and calls :func:`serve`.
+The command (:mod:`mars.cli.sidecar`: ``mars sidecar``, or ``python -m mars.cli.sidecar``, which
+``mars-vllm serve`` starts) reads a :class:`SidecarConfig` and calls :func:`serve`.
 """
 
 from __future__ import annotations

@@ -414,7 +414,7 @@ def start_sidecar(args: argparse.Namespace):
     listener = bind_public(public_host, public_port)
     engine_port = args.engine_port or free_port()
     admission = "on" if get_policy(args.policy).sidecar_admission else "off"
-    cmd = [sys.executable, "-m", "mars.sidecar", "--upstream", f"http://127.0.0.1:{engine_port}",
+    cmd = [sys.executable, "-m", "mars.cli.sidecar", "--upstream", f"http://127.0.0.1:{engine_port}",
            "--host", public_host, "--port", str(public_port), "--admission", admission,
            "--listen-fd", str(listener.fileno()),
            "--engine-events", args.mars_events_endpoint, "--parent-pid", str(os.getpid()),
