@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (see README): `make demo` and `make test`.
-.PHONY: demo test setup setup-agents unit check check-cuda
+.PHONY: demo test setup setup-agents setup-prometheus unit check check-cuda
 
 setup:
 	@bash scripts/setup.sh
@@ -7,10 +7,14 @@ setup:
 setup-agents:
 	@bash scripts/setup_agents.sh
 
+# Debian's prometheus binary, unpacked into .cache/ for the dashboard test (not fatal)
+setup-prometheus:
+	@bash scripts/setup_prometheus.sh
+
 demo: setup
 	.venv/bin/mars demo
 
-test: setup setup-agents
+test: setup setup-agents setup-prometheus
 	bash scripts/run_tests.sh
 
 unit: setup

@@ -1,10 +1,10 @@
 """The ``mars`` command: every subcommand's module sits in this folder, above the libraries
 it drives (``sidecar``, ``bench``, ``sim``, ``replay``, ``workloads``, ``emulate``, ``demo``,
-``openhands``, ``top``; shared argument types and options in :mod:`mars.cli.types`); this
-file only wires them.
-Nothing below a command imports one (``tests/test_layering.py``); the libraries take typed
-configurations. (The GPU timing harness, ``mars.emulate.op_timing``, keeps a parser of its
-own: it runs alone as ``python -m`` on a GPU machine without vLLM.)
+``openhands``, ``top``, ``dashboard``; shared argument types and options in
+:mod:`mars.cli.types`); this file only wires them. Nothing below a command imports one
+(``tests/test_layering.py``); the libraries take typed configurations. (The GPU timing
+harness, ``mars.emulate.op_timing``, keeps a parser of its own: it runs alone as ``python -m``
+on a GPU machine without vLLM.)
 
 Imports are lazy so that ``mars --help`` and the light subcommands stay fast and so that the
 command works in environments that lack vLLM (the agent environment) for what does not need it.
@@ -100,7 +100,7 @@ def _register_optional(sub) -> None:
 
     for mod in ("mars.cli.workloads", "mars.cli.replay", "mars.cli.sidecar",
                 "mars.cli.bench", "mars.cli.demo", "mars.cli.openhands", "mars.cli.emulate",
-                "mars.cli.sim", "mars.cli.top"):
+                "mars.cli.sim", "mars.cli.top", "mars.cli.dashboard"):
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:
