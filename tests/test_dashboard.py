@@ -102,7 +102,10 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
                  "--url", srv.url, "--out", str(tmp_path / "run")],
                 capture_output=True, text=True, timeout=600)
             assert r.returncode == 0, r.stderr[-3000:]
-            time.sleep(3)  # a few more scrapes after the last request
+            deadline = time.monotonic() + 60  # a few more scrapes after the last request
+            while not prom.target_up() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            time.sleep(3)
             assert prom.target_up()
             empty, failed = [], []
             for expr in queries():
@@ -112,5 +115,17 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
                 elif not res["data"]["result"]:
                     empty.append(expr)
             assert failed == [] and empty == [], (failed, empty)
+            # and the series behind the panels carry what the run did, not only their zeros
+            # (every stream series exists from the start, so "returns data" alone would pass
+            # with the observer unplugged)
+            for expr in ('mars_sidecar_kv_blocks{state="total"}',
+                         "increase(mars_sidecar_prompt_tokens_total[10m])",
+                         'mars_sidecar_ttft_seconds_count{round="0"}',
+                         "sum(mars_sidecar_tool_duration_seconds_count)",
+                         "sum(mars_sidecar_window_updates_total)",
+                         "sum(mars_sidecar_sessions_ended_total)",
+                         "sum(vllm:prompt_tokens_total)"):
+                res = prom.query(expr)["data"]["result"]
+                assert res and float(res[0]["value"][1]) > 0, (expr, res)
         finally:
             prom.stop()

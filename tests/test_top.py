@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from mars.launch import free_port
 from mars.top.model import FILTERS, SORTS, TopModel
@@ -52,13 +53,41 @@ def test_the_model_joins_polled_sessions_with_the_stream():
     assert [r.session_id for r in m.rows(104.0)][0] == "a"  # most KV first
     for _ in SORTS:
         m.next_sort()
-    assert m.sort == "kv"
+    assert m.sort == "context"
     m.next_filter()
     assert m.filter == FILTERS[1] and [r.session_id for r in m.rows(104.0)] == ["a"]
-    # a session the sidecar no longer lists is forgotten
+    # what the stream said of a session goes with it: at its end, or once the sidecar no
+    # longer lists it (unless it still holds a pin, which the engine will return)
     m.event({"kind": "session_end", "session_id": "a", "reason": "last_round", "ts": 105})
-    m.poll(_state(), SESSIONS[1:])
-    assert "a" not in {r.session_id for r in m.rows(106.0)}
+    assert "a" not in m._stream
+    m.event({"kind": "gpu_submit", "session_id": "b", "request_id": "r9", "prompt_tokens": 9,
+             "projected_blocks": 1, "ts": 105})
+    m.event({"kind": "pin", "session_id": "d", "blocks": 4, "tau_s": 30.0, "ts": 105.0})
+    m.poll(_state(), [SESSIONS[2]])
+    assert set(m._stream) == {"c", "d"}  # b: no longer listed, no pin
+
+
+def test_the_view_draws_client_strings_as_text_never_markup():
+    """Session ids and tool names are any client string: ``[/x]`` must not break a frame."""
+    from rich.console import Console
+
+    from mars.top.view import frame
+
+    m = TopModel()
+    m.poll(_state(), [{"session_id": "a[/x]", "state": "admitted", "inflight": 0},
+                      {"session_id": "[red]b", "state": "admitted", "inflight": 0}])
+    m.event({"kind": "tool_start", "session_id": "a[/x]", "tool": "[bold]t[/]", "ts": 1.0})
+    m.event({"kind": "preempt", "session_id": "[red]b", "blocks": 2, "ts": 1.0})
+    c = Console(width=160, record=True)
+    c.print(frame(m, "http://h[/]:1", 2.0))
+    text = c.export_text()
+    assert "a[/x]" in text and "[red]b" in text and "[bold]t[/]" in text and "h[/]" in text
+
+
+def test_answers_not_from_a_sidecar_are_one_clear_line():
+    for state, sessions in (([], []), ({}, {"sessions": [1]}), ({}, [{"id": "x"}])):
+        with pytest.raises(ValueError):
+            TopModel().poll(state, sessions)
 
 
 def _top(*args: str) -> subprocess.CompletedProcess:
@@ -97,7 +126,7 @@ def test_live_view_keys_and_a_sidecar_that_goes_away(tmp_path):
     sc = _sidecar().__enter__()
     try:
         with mars_top(sc.url, tmp_path, "--interval", "0.3") as pane:
-            pane.wait_for("admission on")
+            pane.wait_for("stream live")  # subscribed: the hub replays nothing to late comers
             httpx.post(sc.url + "/v1/chat/completions", timeout=10,
                        headers={"x-session-id": "agent-9"},
                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -121,8 +150,10 @@ def test_live_view_keys_and_a_sidecar_that_goes_away(tmp_path):
         sc.__exit__(None, None, None)
 
 
-def test_q_quits_cleanly(tmp_path):
+@pytest.mark.parametrize("key", ["q", "C-c"])
+def test_q_and_ctrl_c_quit_cleanly_and_give_the_terminal_back(tmp_path, key):
     with _sidecar() as sc, mars_top(sc.url, tmp_path) as pane:
         pane.wait_for("keys: s sort")
-        pane.keys("q")
+        pane.keys(key)
         assert pane.exit_code() == 0 and pane.stderr() == ""
+        assert pane.terminal_restored()

@@ -21,10 +21,16 @@ class Pane:
         self.name = f"mars-test-{uuid.uuid4().hex[:8]}"
         self.rc_file = workdir / f"{self.name}.rc"
         self.err_file = workdir / f"{self.name}.err"
-        # the pane's size, whatever COLUMNS / LINES the test runner's environment carries
-        cmd = (f"COLUMNS={width} LINES={height} {shlex.join(argv)} "
-               f"2>{shlex.quote(str(self.err_file))}; "
-               f"echo $? > {shlex.quote(str(self.rc_file))}; sleep 30")
+        self.stty = (workdir / f"{self.name}.stty-before", workdir / f"{self.name}.stty-after")
+        q = shlex.quote
+        # the pane's size, whatever COLUMNS / LINES the test runner's environment carries; the
+        # terminal's settings before and after, to see that the program gave them back
+        # (a Ctrl-C reaches the whole pane: the shell traps it, so that it lives on to record
+        # the program's status; a trap, unlike an ignored signal, is not inherited)
+        cmd = (f"trap true INT; stty -g > {q(str(self.stty[0]))}; "
+               f"COLUMNS={width} LINES={height} {shlex.join(argv)} 2>{q(str(self.err_file))}; "
+               f"rc=$?; stty -g > {q(str(self.stty[1]))}; echo $rc > {q(str(self.rc_file))}; "
+               "sleep 30")
         subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(width),
                         "-y", str(height), "sh", "-c", cmd], check=True, timeout=30)
 
@@ -54,6 +60,14 @@ class Pane:
                 return int(self.rc_file.read_text())
             time.sleep(0.1)
         raise AssertionError(f"still running after {timeout_s:g}s:\n{self.capture()}")
+
+    def terminal_restored(self) -> bool:
+        """The terminal's settings after the program are those before it (echo, line mode),
+        and the cursor it hid is shown again."""
+        before, after = (p.read_text().strip() for p in self.stty)
+        cursor = subprocess.run(["tmux", "display-message", "-p", "-t", self.name,
+                                 "#{cursor_flag}"], capture_output=True, text=True, timeout=30)
+        return before == after and cursor.stdout.strip() == "1"
 
     def stderr(self) -> str:
         return self.err_file.read_text() if self.err_file.exists() else ""

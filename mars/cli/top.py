@@ -14,6 +14,7 @@ import contextlib
 import os
 import queue
 import select
+import signal
 import sys
 import threading
 import time
@@ -34,9 +35,13 @@ class Source:
 
         self.url = url.rstrip("/")
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        try:
+            self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        except (httpx.InvalidURL, ValueError) as e:
+            raise SidecarGone(f"--url {url!r}: {e}") from None
         self.events: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=100_000)
-        self.stream_error: str | None = None
+        #: the stream's state for the header: connecting, live, or why it is not
+        self.stream_status = "connecting"
         self._stop = threading.Event()
 
     def _get(self, path: str) -> Any:
@@ -44,7 +49,7 @@ class Source:
 
         try:
             r = self.client.get(path)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise SidecarGone(f"no answer from {self.url} ({type(e).__name__}: {e})") from None
         if r.status_code == 404:
             raise SidecarGone(f"{self.url} is not a mars sidecar (no {path}); give the "
@@ -53,34 +58,50 @@ class Source:
             raise SidecarGone(f"{self.url} wants an API key (--api-key, or $VLLM_API_KEY)")
         if r.status_code != 200:
             raise SidecarGone(f"{self.url}{path} answered {r.status_code}")
-        return r.json()
+        try:
+            return r.json()
+        except ValueError:
+            raise SidecarGone(f"{self.url}{path} did not answer like a mars sidecar "
+                              "(not JSON)") from None
 
     def poll(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        return self._get("/v1/mars/state"), self._get("/v1/mars/sessions")["sessions"]
+        state, sessions = self._get("/v1/mars/state"), self._get("/v1/mars/sessions")
+        if not isinstance(sessions, dict) or not isinstance(sessions.get("sessions"), list):
+            raise SidecarGone(f"{self.url}/v1/mars/sessions did not answer like a mars sidecar")
+        return state, sessions["sessions"]
 
     def follow(self, kinds: tuple[str, ...]) -> None:
         threading.Thread(target=self._follow, args=(kinds,), daemon=True,
                          name="mars-top-stream").start()
 
     def _follow(self, kinds: tuple[str, ...]) -> None:
+        """Follow the stream; when it fails or ends, say so in the header and connect again
+        (1 s, then up to 30 s apart): tools and pins go stale while it is down, visibly."""
         import json
 
         import httpx
 
-        try:
-            with self.client.stream("GET", "/v1/mars/events/stream",
-                                    params={"kind": ",".join(kinds)},
-                                    timeout=httpx.Timeout(5.0, read=None)) as r:
-                for line in r.iter_lines():
-                    if self._stop.is_set():
-                        return
-                    if line.startswith("data: "):
-                        with contextlib.suppress(ValueError, queue.Full):
-                            self.events.put_nowait(json.loads(line[6:]))
-        except httpx.HTTPError as e:
-            self.stream_error = f"{type(e).__name__}: {e}"
-        else:
-            self.stream_error = "the event stream ended"
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                with self.client.stream("GET", "/v1/mars/events/stream",
+                                        params={"kind": ",".join(kinds)},
+                                        timeout=httpx.Timeout(5.0, read=None)) as r:
+                    if r.status_code != 200:
+                        self.stream_status = f"refused ({r.status_code})"
+                    else:
+                        self.stream_status, backoff = "live", 1.0
+                        for line in r.iter_lines():
+                            if self._stop.is_set():
+                                return
+                            if line.startswith("data: "):
+                                with contextlib.suppress(ValueError, queue.Full):
+                                    self.events.put_nowait(json.loads(line[6:]))
+                        self.stream_status = "ended; reconnecting"
+            except (httpx.HTTPError, httpx.InvalidURL) as e:
+                self.stream_status = f"lost ({type(e).__name__}); reconnecting"
+            self._stop.wait(backoff)
+            backoff = min(30.0, backoff * 2)
 
     def close(self) -> None:
         self._stop.set()
@@ -91,7 +112,7 @@ class Keys:
     """Single key presses from a terminal (cbreak mode, restored on exit); none elsewhere."""
 
     def __init__(self) -> None:
-        self.fd = sys.stdin.fileno() if sys.stdin.isatty() else None
+        self.fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
         self._saved: Any = None
 
     def __enter__(self) -> Keys:
@@ -114,25 +135,50 @@ class Keys:
             time.sleep(timeout_s)
             return None
         ready, _, _ = select.select([self.fd], [], [], timeout_s)
-        return os.read(self.fd, 1).decode(errors="ignore") if ready else None
+        if not ready:
+            return None
+        key = os.read(self.fd, 1)
+        if not key:  # end of input: no more keys
+            self.fd = None
+        return key.decode(errors="ignore") or None
+
+
+def _interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError as e:
+        print(f"mars top: {e}; install the sidecar extra (pip install -e '.[sidecar]')",
+              file=sys.stderr)
+        return 1
     from mars.top.model import KINDS, TopModel
     from mars.top.view import frame
 
-    src = Source(args.url, args.api_key)
+    # a kill or a dropped SSH session unwinds like Ctrl-C: the terminal gets its echo and
+    # cursor back
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     model = TopModel()
     console = Console()
+    src = None
     try:
-        model.poll(*src.poll())
+        src = Source(args.url, args.api_key)
+        _poll(model, src)
         if args.once:
             console.print(frame(model, src.url, time.time()))
             return 0
         src.follow(KINDS)
+        if not console.is_terminal:
+            # a pipe, or ssh without -t: a frame per interval, in plain text
+            while True:
+                time.sleep(args.interval)
+                _drain(model, src)
+                _poll(model, src)
+                console.print(frame(model, src.url, time.time()))
         with Keys() as keys, Live(frame(model, src.url, time.time()), console=console,
                                   auto_refresh=False, screen=False) as live:
             next_poll = time.monotonic() + args.interval
@@ -144,10 +190,9 @@ def run(args: argparse.Namespace) -> int:
                     model.next_sort()
                 elif key in ("f", "F"):
                     model.next_filter()
-                while not src.events.empty():
-                    model.event(src.events.get_nowait())
+                _drain(model, src)
                 if time.monotonic() >= next_poll:
-                    model.poll(*src.poll())
+                    _poll(model, src)
                     next_poll = time.monotonic() + args.interval
                 live.update(frame(model, src.url, time.time()), refresh=True)
     except SidecarGone as e:
@@ -156,8 +201,22 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        src.close()
+        if src is not None:
+            src.close()
     return 0
+
+
+def _poll(model: Any, src: Source) -> None:
+    try:
+        model.poll(*src.poll())
+    except ValueError as e:
+        raise SidecarGone(f"{src.url} did not answer like a mars sidecar ({e})") from None
+
+
+def _drain(model: Any, src: Source) -> None:
+    model.stream_status = src.stream_status
+    while not src.events.empty():
+        model.event(src.events.get_nowait())
 
 
 def register(sub: argparse._SubParsersAction) -> None:

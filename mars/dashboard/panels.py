@@ -52,8 +52,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "The budget is min(W, caps), clamped; the binding limit is the smallest"),
         Panel("What bounds admission", "short",
               (_q(f"{S}window_limit", "{{limit}}"),),
-              "1 for the smallest of the window, the CPU cap and the KV cap"),
-        Panel("Window decisions", "short", (_q(f"{S}window_mode", "{{mode}}"),)),
+              "1 for the smallest of the window, the CPU cap and the KV cap (at each scrape)"),
+        Panel("Window moves", "ops",
+              (_q(f"sum by (mode) (rate({S}window_updates_total{RATE}))", "{{mode}}"),),
+              "Window decisions published, by mode: every change, and the last decision "
+              "again at each heartbeat"),
         Panel("Admission wait of new sessions", "s", _quantiles(f"{S}queue_wait_seconds")),
         Panel("Sessions ended, by reason", "ops",
               (_q(f"sum by (reason) (rate({S}sessions_ended_total{RATE}))", "{{reason}}"),)),
@@ -80,7 +83,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Tool calls running and waiting", "short",
               (_q(f"{S}active_tools", "running"), _q(f"{S}tools_queued", "waiting for a core"))),
         Panel("Tool load per core", "short", (_q(f"{S}cpu_load", "active tools / core"),)),
-        Panel("Tool durations", "s", _quantiles(f"{S}tool_seconds", "status")),
+        Panel("Tool durations", "s", _quantiles(f"{S}tool_duration_seconds", "status")),
     )),
     ("Engine (vLLM's metrics)", (
         Panel("Requests in the engine", "short",

@@ -86,6 +86,9 @@ class GpuFirstToken(_RequestEvent):
     kind: Literal["gpu_1st_token"]
     launch_delay_s: float = Field(ge=0, description="arrival at the engine -> first token")
     cached_tokens: int = Field(ge=0, default=0)
+    #: the call's prompt, beside its cached part: the prefix-cache hit rate over calls that
+    #: were served (a call aborted before its first token has no hit to count)
+    prompt_tokens: int | None = Field(ge=0, default=None)
 
 
 class GpuEnd(_RequestEvent):

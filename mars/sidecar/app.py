@@ -374,9 +374,6 @@ class Sidecar:
             "window_limit": ("1 for what bounds the admitted sessions now (the smallest of the "
                              "AIMD window, the CPU cap and the KV cap), else 0",
                              _binding(snap), ("limit",)),
-            "window_mode": ("1 for the last window decision (increase, decrease, hold), else 0",
-                            {(m,): (None if snap["mode"] is None else int(snap["mode"] == m))
-                             for m in WINDOW_MODES}, ("mode",)),
             "cpu_cap": ("Session cap from CPU pressure (Little's law)", snap["cpu_cap"]),
             "kv_cap": ("Session cap from KV utilisation (soft cap)", snap["kv_cap"]),
             "sessions_active": ("Sessions holding a window slot (window occupancy)", snap["admitted"]),
@@ -384,7 +381,7 @@ class Sidecar:
             "requests_inflight": ("Requests forwarded and not finished", snap["inflight"]),
             "active_tools": ("Running tool calls (CPU plane)", s["active_tools"]),
             "tools_queued": ("Tool calls enqueued by their runner and not started (waiting "
-                             "for a core)", self.metrics.stream.tools_queued),
+                             "for a core)", s["queued_tools"]),
             "cpu_load": ("Active tools per tool core", s["cpu_load"]),
             "tool_duration_ema_seconds": ("EMA of tool durations", s["tool_duration_ema_s"]),
             "tool_slowdown": ("Tool slowdown over the per-type baseline (1 unless significant)",
@@ -405,10 +402,6 @@ class Sidecar:
 
 def _noop(_outcome: str) -> None:
     pass
-
-
-#: the window decision's modes (mars.policy.control.window.WindowDecision.mode)
-WINDOW_MODES = ("increase", "decrease", "hold")
 
 
 def _binding(snap: dict[str, Any]) -> dict[tuple[str], int | None]:

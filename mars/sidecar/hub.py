@@ -88,6 +88,7 @@ class EventHub:
                 fn(ev)
             except Exception:  # an observer bug must not stop the stream
                 self.observer_errors += 1
+                self.metrics.observer_errors.inc()
                 log.exception("event observer failed on %r", ev.get("kind"))
         if self._file is None and not self._subs:
             return

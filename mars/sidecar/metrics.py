@@ -96,6 +96,10 @@ class SidecarMetrics:
             registry=r)
         self.sse_dropped = Counter(PREFIX + "sse_dropped",
                                    "Events dropped for slow SSE subscribers", registry=r)
+        self.observer_errors = Counter(PREFIX + "observer_errors",
+                                       "Events an observer of the stream failed on (the "
+                                       "control state or the metrics; each is logged)",
+                                       registry=r)
         self.engine_events_malformed = Counter(PREFIX + "engine_events_malformed",
                                                "Engine stream messages that were not JSON",
                                                registry=r)

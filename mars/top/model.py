@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: the event kinds the view needs from the stream
-KINDS = ("gpu_submit", "preempt", "pin", "unpin", "tool_start", "tool_end", "request_start",
-         "request_end", "session_end")
+KINDS = ("gpu_submit", "preempt", "pin", "unpin", "tool_start", "tool_end", "session_end")
 #: what a session row can show, in the order the filter key cycles through them
 STATES = ("running", "in tool", "pinned", "idle", "queued")
 FILTERS = ("all", *STATES)
 #: the columns the sort key cycles through
-SORTS = ("kv", "age", "state", "session")
+SORTS = ("context", "age", "state", "session")
 RECENT_PREEMPTIONS = 8
 
 
@@ -32,7 +31,8 @@ class SessionRow:
     inflight: int = 0
     requests: int = 0
     age_s: float = 0.0
-    #: KV blocks the session's latest call projected (its context, as the engine counts it)
+    #: KV blocks the session's latest call needs for its whole prompt (its context, as the
+    #: engine counts it; not what it holds now)
     kv_blocks: int = 0
     pin_blocks: int = 0
     #: seconds of τ left on its pin (negative: past τ, the pin awaits its next check)
@@ -56,15 +56,20 @@ class _Stream:
 class TopModel:
     state: dict[str, Any] = field(default_factory=dict)
     sessions: list[dict[str, Any]] = field(default_factory=list)
-    sort: str = "kv"
+    sort: str = "context"
     filter: str = "all"
     events_seen: int = 0
+    #: the event stream's state as the command last saw it ("live", "connecting", "lost: ...")
+    stream_status: str = "connecting"
     _stream: dict[str, _Stream] = field(default_factory=dict)
-    _request_session: dict[str, str] = field(default_factory=dict)
     recent_preemptions: deque = field(default_factory=lambda: deque(maxlen=RECENT_PREEMPTIONS))
 
     # ------------------------------------------------------------------ inputs
     def poll(self, state: dict[str, Any], sessions: list[dict[str, Any]]) -> None:
+        """Raises ValueError where the answers are not what a mars sidecar says."""
+        if not isinstance(state, dict) or not isinstance(sessions, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("session_id"), str) for s in sessions):
+            raise ValueError("state or sessions not in the sidecar's shape")
         self.state, self.sessions = state, sessions
         # forget stream facts of sessions the sidecar no longer knows (ended, reaped)
         known = {s["session_id"] for s in sessions}
@@ -75,29 +80,20 @@ class TopModel:
     def event(self, ev: dict[str, Any]) -> None:
         self.events_seen += 1
         kind, sid = ev.get("kind"), ev.get("session_id")
-        if kind == "request_start" and sid:
-            self._request_session[str(ev.get("request_id"))] = sid
-            return
-        if kind == "request_end":
-            self._request_session.pop(str(ev.get("request_id")), None)
-            return
-        if sid is None and ev.get("request_id") is not None:
-            sid = self._request_session.get(str(ev["request_id"]))
-        if not sid:
-            return
+        if not isinstance(sid, str) or not sid:
+            return  # one-shot calls carry no session: they have no row
         if kind == "session_end":
             self._stream.pop(sid, None)
             return
         st = self._stream.setdefault(sid, _Stream())
         if kind == "gpu_submit":
-            st.kv_blocks = int(ev.get("projected_blocks") or 0)
+            st.kv_blocks = _int(ev.get("projected_blocks"))
         elif kind == "preempt":
             st.preemptions += 1
-            self.recent_preemptions.appendleft(
-                (float(ev.get("ts") or 0.0), sid, int(ev.get("blocks") or 0)))
+            self.recent_preemptions.appendleft((_num(ev.get("ts")), sid, _int(ev.get("blocks"))))
         elif kind == "pin":
-            st.pin_blocks = int(ev.get("blocks") or 0)
-            st.pin_until = float(ev.get("ts") or 0.0) + float(ev.get("tau_s") or 0.0)
+            st.pin_blocks = _int(ev.get("blocks"))
+            st.pin_until = _num(ev.get("ts")) + _num(ev.get("tau_s"))
         elif kind == "unpin":
             st.pin_blocks, st.pin_until = 0, None
         elif kind == "tool_start":
@@ -130,7 +126,7 @@ class TopModel:
             out.append(row)
         if self.filter != "all":
             out = [r for r in out if r.state == self.filter]
-        key = {"kv": lambda r: (-r.kv_blocks, r.session_id),
+        key = {"context": lambda r: (-r.kv_blocks, r.session_id),
                "age": lambda r: (-r.age_s, r.session_id),
                "state": lambda r: (STATES.index(r.state), r.session_id),
                "session": lambda r: r.session_id}[self.sort]
@@ -144,3 +140,11 @@ class TopModel:
         if any(v is None for v in limits.values()):
             return None
         return min(limits, key=lambda k: limits[k])
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0.0
+
+
+def _int(x: Any) -> int:
+    return int(_num(x))

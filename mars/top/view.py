@@ -26,7 +26,7 @@ def _bar(parts: list[tuple[int, str]], total: int, width: int = 24) -> Text:
         return t.append("·" * width, "dim")
     used = 0
     for n, style in parts:
-        w = round(width * n / total)
+        w = min(width - used, round(width * n / total))
         t.append("█" * w, style)
         used += w
     return t.append("·" * max(0, width - used), "dim")
@@ -39,14 +39,15 @@ def header(m: TopModel, url: str) -> Table:
     g.add_column(style="bold")
     g.add_column()
     adm = s.get("admission", "?")
-    g.add_row("mars top", f"{url}  admission {adm}  up {_num(s.get('uptime_s'), '{:.0f}')} s  "
-                          f"events {m.events_seen}")
+    g.add_row("mars top", Text(f"{url}  admission {adm}  up "
+                               f"{_num(s.get('uptime_s'), '{:.0f}')} s  events {m.events_seen}  "
+                               f"stream {m.stream_status}"))
     if adm == "on":
         g.add_row("window", f"W {_num(s.get('window'), '{:.2f}')}  budget {_num(s.get('budget'))}"
                             f"  CPU cap {_num(s.get('cpu_cap'), '{:.1f}')}"
                             f"  KV cap {_num(s.get('kv_cap'), '{:.1f}')}"
                             f"  binding: {m.binding() or '–'}")
-        g.add_row("decision", f"{s.get('mode') or '–'}: {s.get('reason') or '–'}")
+        g.add_row("decision", Text(f"{s.get('mode') or '–'}: {s.get('reason') or '–'}"))
     g.add_row("sessions", f"admitted {_num(s.get('admitted'))}  queued {_num(s.get('queued'))}"
                           f"  requests in flight {_num(s.get('inflight'))}")
     total = int(sig.get("total_blocks") or 0)
@@ -73,14 +74,15 @@ def sessions(m: TopModel, now: float, limit: int = 30) -> Table:
     # session id (what an operator looks for) is the last to be cut
     for col, just, width in (("session", "left", 20), ("state", "left", 7),
                              ("flight", "right", 0), ("reqs", "right", 0),
-                             ("KV blk", "right", 0), ("pin τ", "right", 9), ("tool", "left", 4),
+                             ("ctx blk", "right", 0), ("pin τ", "right", 9), ("tool", "left", 4),
                              ("age", "right", 0), ("preempt", "right", 0)):
         t.add_column(col, justify=just, no_wrap=True, min_width=width or None)
     style = {"running": "green", "in tool": "yellow", "pinned": "magenta", "queued": "red"}
     for r in rows[:limit]:
         pin = "–" if r.pin_left_s is None else f"{r.pin_blocks}b {r.pin_left_s:+.0f}s"
-        t.add_row(r.session_id, Text(r.state, style.get(r.state, "")), str(r.inflight),
-                  str(r.requests), str(r.kv_blocks), pin, r.tool or "–", f"{r.age_s:.0f}",
+        # ids and tool names are the clients' strings: Text, never parsed as rich markup
+        t.add_row(Text(r.session_id), Text(r.state, style.get(r.state, "")), str(r.inflight),
+                  str(r.requests), str(r.kv_blocks), pin, Text(r.tool or "–"), f"{r.age_s:.0f}",
                   str(r.preemptions))
     if len(rows) > limit:
         t.caption = f"... and {len(rows) - limit} more"
@@ -90,7 +92,7 @@ def sessions(m: TopModel, now: float, limit: int = 30) -> Table:
 def frame(m: TopModel, url: str, now: float) -> Group:
     parts: list[Any] = [header(m, url), sessions(m, now)]
     if m.recent_preemptions:
-        parts.append(Text("preempted lately: " + ", ".join(
+        parts.append(Text("preempted lately: " + ", ".join(  # a Text: ids are not markup
             f"{sid} ({blocks} blk, {now - ts:.0f}s ago)"
             for ts, sid, blocks in m.recent_preemptions)))
     parts.append(Text("keys: s sort  f filter  q quit", style="dim"))

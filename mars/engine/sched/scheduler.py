@@ -319,7 +319,7 @@ class MarsSchedulerMixin:
         self.mars_events.publish(make_event(
             "gpu_1st_token", ts=now, session_id=c.session_id, request_id=c.request_id,
             round=c.round, launch_delay_s=max(now - c.arrival_time, 0.0),
-            cached_tokens=c.cached_tokens,
+            cached_tokens=c.cached_tokens, prompt_tokens=c.prompt_tokens,
         ))
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,

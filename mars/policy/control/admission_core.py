@@ -314,6 +314,7 @@ class AdmissionCore:
             "growth_samples": len(self.balance.growth),
             "signals": {
                 "active_tools": sig.active_tools, "cpu_load": sig.cpu_load,
+                "queued_tools": self.balance.state.queued_tools,
                 "tool_cores": sig.tool_cores, "tool_duration_ema_s": sig.tool_duration_ema,
                 "tool_slowdown": sig.tool_slowdown, "total_blocks": sig.total_blocks,
                 "free_blocks": sig.free_blocks, "used_blocks": sig.used_blocks,

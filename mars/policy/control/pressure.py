@@ -419,6 +419,11 @@ class DualPressureState:
         return len(self._queued.get(session_id, ()))
 
     @property
+    def queued_tools(self) -> int:
+        """Tool calls queued for a core and not started, over every session."""
+        return sum(len(q) for q in self._queued.values())
+
+    @property
     def cpu_load(self) -> float:
         return self.active_tools / self.config.tool_cores
 
