@@ -95,6 +95,13 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
     with engine_server(["--policy", "mars", "--enable-prompt-tokens-details"]) as srv:
         prom = Prometheus(f"127.0.0.1:{srv.port}", tmp_path)
         try:
+            # the counters' zeros must be scraped before the replay moves them: a short replay
+            # can otherwise end before the first scrape of a loaded machine, and every
+            # increase() reads 0
+            deadline = time.monotonic() + 60
+            while not prom.target_up() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert prom.target_up(), (tmp_path / "prometheus.log").read_text()[-2000:]
             r = subprocess.run(
                 [sys.executable, "-m", "mars.cli", "replay", "ILR-1", "--num-tasks", "3",
                  "--scale", "50", "--time-scale", "40", "--rate", "0.5", "--seed", "0",
