@@ -347,7 +347,7 @@ def test_a_dead_sidecar_takes_the_server_down(monkeypatch):
         log = open(srv.log_path).read()
         assert log.count("cannot listen on") == 1 and "Address already in use" in log
         procs = _tree(srv.proc.pid)
-        (sidecar,) = [p for p in procs if "mars.sidecar" in " ".join(p.cmdline())]
+        (sidecar,) = [p for p in procs if "mars.cli.sidecar" in " ".join(p.cmdline())]
         sidecar.kill()
         assert srv.proc.wait(timeout=60) == 1, srv.tail()
         assert "the sidecar exited with status -9" in srv.tail(200)
@@ -374,7 +374,7 @@ def test_a_sidecar_dead_during_start_up_fails_the_command(tmp_path):
         deadline = time.monotonic() + 120
         while sidecar is None and proc.poll() is None and time.monotonic() < deadline:
             sidecar = next((p for p in _tree(proc.pid)[1:]
-                            if "mars.sidecar" in " ".join(p.cmdline())), None)
+                            if "mars.cli.sidecar" in " ".join(p.cmdline())), None)
             time.sleep(0.05)
         assert sidecar is not None, log.read_text()[-3000:]
         procs = {p.pid: p for p in _tree(proc.pid)}
