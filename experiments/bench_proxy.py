@@ -80,13 +80,13 @@ def children(server_pid: int) -> dict[int, bytes]:
 
 def child_sidecar_pid(server_pid: int) -> int | None:
     """The sidecar ``mars-vllm serve`` started (a child process running mars.sidecar)."""
-    return next((pid for pid, cmd in children(server_pid).items() if b"mars.sidecar" in cmd),
+    return next((pid for pid, cmd in children(server_pid).items() if b"mars.cli.sidecar" in cmd),
                 None)
 
 
 def engine_pids(server_pid: int) -> list[int]:
     """vLLM's other processes (EngineCore, ...): every child but the sidecar."""
-    return [pid for pid, cmd in children(server_pid).items() if b"mars.sidecar" not in cmd]
+    return [pid for pid, cmd in children(server_pid).items() if b"mars.cli.sidecar" not in cmd]
 
 
 def wait_quiet(max_load: float, max_wait_s: float) -> None:
