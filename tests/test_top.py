@@ -18,7 +18,7 @@ from tests.tmux import mars_top
 
 def _state(**kw):
     return {"admission": "on", "window": 8.0, "budget": 8, "cpu_cap": 3.0, "kv_cap": 12.0,
-            "mode": "hold", "reason": "healthy 1/3", "admitted": 2, "queued": 1, "inflight": 1,
+            "binding": "cpu", "mode": "hold", "reason": "healthy 1/3", "admitted": 2, "queued": 1, "inflight": 1,
             "signals": {"total_blocks": 100, "used_blocks": 60, "pinned_blocks": 20,
                         "free_blocks": 40, "active_tools": 1, "tool_cores": 2}, **kw}
 

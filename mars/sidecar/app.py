@@ -373,7 +373,9 @@ class Sidecar:
             "window_budget": ("Admitted sessions allowed: min(W, caps), clamped", snap["budget"]),
             "window_limit": ("1 for what bounds the admitted sessions now (the smallest of the "
                              "AIMD window, the CPU cap and the KV cap), else 0",
-                             _binding(snap), ("limit",)),
+                             {(k,): (None if snap["binding"] is None
+                                     else int(snap["binding"] == k))
+                              for k in ("window", "cpu", "kv")}, ("limit",)),
             "cpu_cap": ("Session cap from CPU pressure (Little's law)", snap["cpu_cap"]),
             "kv_cap": ("Session cap from KV utilisation (soft cap)", snap["kv_cap"]),
             "sessions_active": ("Sessions holding a window slot (window occupancy)", snap["admitted"]),
@@ -402,15 +404,6 @@ class Sidecar:
 
 def _noop(_outcome: str) -> None:
     pass
-
-
-def _binding(snap: dict[str, Any]) -> dict[tuple[str], int | None]:
-    """Which of the window and the two caps is the smallest now (ties: the first named)."""
-    limits = {"window": snap["window"], "cpu": snap["cpu_cap"], "kv": snap["kv_cap"]}
-    if any(v is None for v in limits.values()):
-        return {(k,): None for k in limits}
-    low = min(limits, key=lambda k: limits[k])
-    return {(k,): int(k == low) for k in limits}
 
 
 def _authorization(scope) -> str | None:

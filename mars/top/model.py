@@ -134,12 +134,8 @@ class TopModel:
 
     def binding(self) -> str | None:
         """Which of the window and the caps bounds the admitted sessions now."""
-        s = self.state
-        limits = {"window": s.get("window"), "CPU cap": s.get("cpu_cap"),
-                  "KV cap": s.get("kv_cap")}
-        if any(v is None for v in limits.values()):
-            return None
-        return min(limits, key=lambda k: limits[k])
+        return {"window": "window", "cpu": "CPU cap", "kv": "KV cap"}.get(
+            self.state.get("binding"))
 
 
 def _num(x: Any) -> float:

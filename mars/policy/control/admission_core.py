@@ -296,6 +296,9 @@ class AdmissionCore:
             "budget": d.budget if d else None,
             "cpu_cap": d.cpu_cap if d else None,
             "kv_cap": d.kv_cap if d else None,
+            # which of the three bounds the admitted sessions (the smallest; ties: the first)
+            "binding": min((("window", d.window), ("cpu", d.cpu_cap), ("kv", d.kv_cap)),
+                           key=lambda kv: kv[1])[0] if d else None,
             "mode": d.mode if d else None,
             "reason": d.reason if d else None,
             # the window's demand-led start, on until its first decrease
