@@ -120,6 +120,27 @@ def test_once_prints_a_frame_of_a_real_sidecar():
     assert "agent-7" in r.stdout and "binding: " in r.stdout and "admitted 1" in r.stdout
 
 
+def test_svg_is_one_frame_of_a_real_sidecar_as_an_image(tmp_path):
+    """``--svg``: what the README's screenshot is made of -- a well-formed SVG whose text is
+    the frame (the sidecar's URL, a session it admitted, what binds)."""
+    import html
+    import re
+    import xml.etree.ElementTree as ET
+
+    out = tmp_path / "top.svg"
+    with _sidecar() as sc:
+        httpx.post(sc.url + "/v1/chat/completions", timeout=10,
+                   headers={"x-session-id": "agent-7"},
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        r = _top("--url", sc.url, "--svg", str(out), "--interval", "0.2")
+    assert r.returncode == 0 and f"wrote {out}" in r.stderr, r.stderr
+    root = ET.parse(out).getroot()
+    assert root.tag.endswith("svg")
+    text = html.unescape("".join(re.findall(r">([^<]*)</text>", out.read_text())))
+    text = text.replace("\xa0", " ")
+    assert sc.url in text and "agent-7" in text and "binding: " in text, text
+
+
 def test_live_view_keys_and_a_sidecar_that_goes_away(tmp_path):
     """In a tmux pane: the stream's tool events show, the keys sort and filter, and when the
     sidecar stops, the view ends with one line saying so (status 1, no traceback)."""

@@ -3,8 +3,10 @@
 It polls the control plane's state and sessions every ``--interval`` seconds and follows the
 unified event stream for what only the stream says (tools, pins, preemptions); the model
 (:mod:`mars.top.model`) joins them and the view (:mod:`mars.top.view`) draws them with rich.
-Keys: ``s`` sort, ``f`` filter by state, ``q`` (or Ctrl-C) quit. A server that does not
-answer, or stops answering, ends it with one line saying so (status 1), never a traceback.
+Keys: ``s`` sort, ``f`` filter by state, ``q`` (or Ctrl-C) quit. ``--svg FILE`` writes one
+frame as an image instead (the README's screenshot is made so: scripts/capture_top.sh). A
+server that does not answer, or stops answering, ends it with one line saying so (status 1),
+never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from mars.cli.types import positive_float
+from mars.cli.types import positive_float, positive_int
 
 
 class SidecarGone(Exception):
@@ -172,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(frame(model, src.url, time.time()))
             return 0
         src.follow(KINDS)
+        if args.svg:
+            return _save_svg(model, src, args)
         if not console.is_terminal:
             # a pipe, or ssh without -t: a frame per interval, in plain text
             while True:
@@ -206,6 +210,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_svg(model: Any, src: Source, args: argparse.Namespace) -> int:
+    """One frame after watching the stream for one interval, written as an SVG: what a
+    screenshot in the docs is made of (rich draws it; no terminal needed)."""
+    from rich.console import Console
+
+    from mars.top.view import frame
+
+    time.sleep(args.interval)
+    _drain(model, src)
+    _poll(model, src)
+    with open(os.devnull, "w") as sink:
+        rec = Console(record=True, width=args.width, file=sink, force_terminal=True,
+                      color_system="truecolor")
+        rec.print(frame(model, src.url, time.time()))
+    rec.save_svg(args.svg, title=f"mars top  {src.url}")
+    print(f"mars top: wrote {args.svg}", file=sys.stderr)
+    return 0
+
+
 def _poll(model: Any, src: Source) -> None:
     try:
         model.poll(*src.poll())
@@ -233,4 +256,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true",
                    help="print one frame of the polled state and exit (scripts, logs; the "
                         "stream's tools and pins show in the live view)")
+    p.add_argument("--svg", metavar="FILE",
+                   help="watch the stream for one --interval, write that frame to FILE as an "
+                        "SVG image (colours kept) and exit: screenshots for docs and reports")
+    p.add_argument("--width", type=positive_int, default=110, metavar="COLS",
+                   help="columns of the --svg frame (default: %(default)s)")
     p.set_defaults(func=run)
