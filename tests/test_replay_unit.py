@@ -133,6 +133,43 @@ def test_cpu_tools_queue_for_tool_cores_and_light_tools_do_not():
     assert len(started) == 2
 
 
+def test_tool_workers_die_with_a_killed_replay(tmp_path):
+    """A replay killed outright (SIGKILL: no clean-up runs) takes its tool workers with it;
+    they used to wait on their queue forever, holding the replay's stdout open."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time\n"
+            "from mars.workloads.toolpool import ToolPool\n"
+            "pool = ToolPool(workers=2, burn_mode='wall').start()\n"
+            "print(*pool._pool._processes, flush=True)\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _alive(p)]
+            time.sleep(0.05)
+        assert not alive, f"tool workers {alive} outlived their killed replay"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 def test_tool_pool_rejects_bad_config():
     with pytest.raises(ValueError):
         ToolPool(cores=[10_000])

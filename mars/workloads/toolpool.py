@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mars.launch import pin_to
+from mars.launch import die_with_parent, pin_to
 
 BURN_MODES = ("cpu", "wall", "sleep")
 
@@ -108,7 +108,13 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 def _worker_init(cores: list[int] | None, stop_event: Any) -> None:
+    """Runs first in every worker. The worker dies with the replay: a replay killed outright
+    (SIGKILL, an OOM kill, a supervisor's timeout) runs no clean-up, and a pool worker never
+    sees its queue close -- it holds the queue's write end itself -- so it would wait forever
+    (seen: orphans still alive 18 minutes after their replay was killed)."""
     global _stop_event
+    parent = mp.parent_process()
+    die_with_parent(signal.SIGKILL, expected_parent=parent.pid if parent else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _stop_event = stop_event
     pin_to(cores)
