@@ -6,7 +6,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 --ignore=tests/agents tests || rc=$?
+# MARS_TEST_JUNIT=FILE: also write every test's duration there (where the suite's time goes)
+junit=()
+[ -n "${MARS_TEST_JUNIT:-}" ] && junit=(--junitxml "$MARS_TEST_JUNIT")
+.venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 ${junit[@]+"${junit[@]}"} \
+    --ignore=tests/agents tests || rc=$?
 if [ -x .venv-agents/bin/python ]; then
   port=$(.venv/bin/python -c "from mars.launch import free_port; print(free_port())")
   log=$(mktemp -d)/agents-server.log
