@@ -128,7 +128,8 @@ def test_bench_with_several_seeds_runs_each_and_pools_them(tmp_path):
     out = tmp_path / "bench"
     args = [sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim",
             "h100-nvl:qwen3-coder-30b-a3b", "--rates", "0.5", "--policies", "fcfs,mars",
-            "--num-tasks", "3", "--jobs", "2", "--seeds", "0,1", "--ideal-cache",
+            "--num-tasks", "3", "--max-rounds", "3", "--jobs", "2", "--seeds", "0,1",
+            "--ideal-cache",
             str(tmp_path / "ideal"), "--no-run-plots", "--out", str(out)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
