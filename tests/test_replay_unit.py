@@ -133,33 +133,40 @@ def test_cpu_tools_queue_for_tool_cores_and_light_tools_do_not():
     assert len(started) == 2
 
 
-def test_tool_workers_die_with_a_killed_replay(tmp_path):
+@pytest.mark.parametrize("how", ["main thread", "asyncio"])
+def test_tool_workers_die_with_a_killed_replay(how):
     """A replay killed outright (SIGKILL: no clean-up runs) takes its tool workers with it;
-    they used to wait on their queue forever, holding the replay's stdout open."""
+    they used to wait on their queue forever, holding the replay's stdout open. ``asyncio``
+    starts the pool as ``mars replay`` does (``async with``: spawned from an executor thread),
+    and the workers must outlive that thread while the replay lives."""
     import signal
     import subprocess
     import sys
 
-    code = ("import os, sys, time\n"
-            "from mars.workloads.toolpool import ToolPool\n"
-            "pool = ToolPool(workers=2, burn_mode='wall').start()\n"
+    start = ("pool = ToolPool(workers=2, burn_mode='wall').start()\n" if how == "main thread"
+             else "import asyncio\n"
+                  "pool = asyncio.run(ToolPool(workers=2, burn_mode='wall').__aenter__())\n")
+    code = ("import time\n"
+            "from mars.workloads.toolpool import ToolPool\n" + start +
+            "time.sleep(1)\n"  # the thread that spawned them has ended: still alive
+            "assert all(p.is_alive() for p in pool._pool._processes.values())\n"
             "print(*pool._pool._processes, flush=True)\n"
             "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        workers = [int(p) for p in proc.stdout.readline().split()]
-        assert len(workers) == 2
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        alive = workers
-        while alive and time.monotonic() < deadline:
-            alive = [p for p in alive if _alive(p)]
-            time.sleep(0.05)
-        assert not alive, f"tool workers {alive} outlived their killed replay"
-    finally:
-        proc.kill()
-        proc.wait()
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            workers = [int(p) for p in proc.stdout.readline().split()]
+            assert len(workers) == 2, proc.wait(timeout=60)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            deadline = time.monotonic() + 30
+            alive = workers
+            while alive and time.monotonic() < deadline:
+                alive = [p for p in alive if _alive(p)]
+                time.sleep(0.05)
+            assert not alive, f"tool workers {alive} outlived their killed replay"
+        finally:
+            proc.kill()
 
 
 def _alive(pid: int) -> bool:

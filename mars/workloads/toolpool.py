@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mars.launch import die_with_parent, pin_to
+from mars.launch import pin_to
 
 BURN_MODES = ("cpu", "wall", "sleep")
 
@@ -113,11 +113,28 @@ def _worker_init(cores: list[int] | None, stop_event: Any) -> None:
     sees its queue close -- it holds the queue's write end itself -- so it would wait forever
     (seen: orphans still alive 18 minutes after their replay was killed)."""
     global _stop_event
-    parent = mp.parent_process()
-    die_with_parent(signal.SIGKILL, expected_parent=parent.pid if parent else None)
+    _exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _stop_event = stop_event
     pin_to(cores)
+
+
+def _exit_with_parent() -> None:
+    """Exit this worker as soon as the process that spawned it is gone.
+
+    Waits on multiprocessing's parent sentinel (a pipe the parent *process* holds) in a daemon
+    thread, not on the kernel's ``PR_SET_PDEATHSIG``: that one fires when the parent *thread*
+    that spawned the worker exits, and :meth:`ToolPool.start` runs in an executor thread, which
+    may end before the pool does."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns once the parent's end of the sentinel pipe is closed
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def burn(duration_s: float, mode: str = "cpu") -> tuple[float, float, bool]:
