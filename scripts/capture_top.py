@@ -19,6 +19,7 @@ import time
 
 import httpx
 
+from mars.cli.types import positive_int
 from mars.launch import ServerProcess
 
 #: the test suite's small server: 16 MiB of KV (32,768 tokens of the tiny model), so a few
@@ -32,8 +33,9 @@ REPLAY = ["ILR-3", "--num-tasks", "16", "--scale", "50", "--time-scale", "20", "
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/img/mars-top.svg", help="the SVG to write")
-    ap.add_argument("--sessions", type=int, default=6,
-                    help="take the frame once this many sessions are admitted (default: 6)")
+    ap.add_argument("--sessions", type=positive_int, default=6,
+                    help="take the frame once this many sessions are admitted (default: "
+                         "%(default)s)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, ServerProcess(args=SERVER) as srv:
         replay = subprocess.Popen([sys.executable, "-m", "mars.cli", "replay", *REPLAY,
@@ -42,7 +44,11 @@ def main() -> int:
         try:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and replay.poll() is None:
-                sessions = httpx.get(srv.url + "/v1/mars/sessions", timeout=10).json()
+                try:
+                    sessions = httpx.get(srv.url + "/v1/mars/sessions", timeout=10).json()
+                except httpx.HTTPError as e:
+                    print(f"capture_top: the server stopped answering ({e})", file=sys.stderr)
+                    return 1
                 live = [s for s in sessions["sessions"] if s["state"] == "admitted"]
                 if len(live) >= args.sessions:
                     break

@@ -122,7 +122,8 @@ def test_once_prints_a_frame_of_a_real_sidecar():
 
 def test_svg_is_one_frame_of_a_real_sidecar_as_an_image(tmp_path):
     """``--svg``: what the README's screenshot is made of -- a well-formed SVG whose text is
-    the frame (the sidecar's URL, a session it admitted, what binds)."""
+    the frame (the admission state, a session it admitted); a path it cannot write, and
+    --svg with --once, are one clear line each."""
     import html
     import re
     import xml.etree.ElementTree as ET
@@ -133,12 +134,18 @@ def test_svg_is_one_frame_of_a_real_sidecar_as_an_image(tmp_path):
                    headers={"x-session-id": "agent-7"},
                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         r = _top("--url", sc.url, "--svg", str(out), "--interval", "0.2")
-    assert r.returncode == 0 and f"wrote {out}" in r.stderr, r.stderr
-    root = ET.parse(out).getroot()
+        assert r.returncode == 0 and f"wrote {out}" in r.stderr, r.stderr
+        root = ET.parse(out).getroot()
+        bad = _top("--url", sc.url, "--svg", str(tmp_path / "missing" / "top.svg"),
+                   "--interval", "0.1")
     assert root.tag.endswith("svg")
     text = html.unescape("".join(re.findall(r">([^<]*)</text>", out.read_text())))
     text = text.replace("\xa0", " ")
-    assert sc.url in text and "agent-7" in text and "binding: " in text, text
+    assert "admission on" in text and "admitted 1" in text and "agent-7" in text, text
+    assert bad.returncode == 1 and bad.stderr.startswith("mars top: cannot write "), bad.stderr
+    assert "Traceback" not in bad.stderr
+    both = _top("--url", sc.url, "--svg", str(out), "--once")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_live_view_keys_and_a_sidecar_that_goes_away(tmp_path):

@@ -4,7 +4,7 @@ It polls the control plane's state and sessions every ``--interval`` seconds and
 unified event stream for what only the stream says (tools, pins, preemptions); the model
 (:mod:`mars.top.model`) joins them and the view (:mod:`mars.top.view`) draws them with rich.
 Keys: ``s`` sort, ``f`` filter by state, ``q`` (or Ctrl-C) quit. ``--svg FILE`` writes one
-frame as an image instead (the README's screenshot is made so: scripts/capture_top.sh). A
+frame as an image instead (the README's screenshot is made so: scripts/capture_top.py). A
 server that does not answer, or stops answering, ends it with one line saying so (status 1),
 never a traceback.
 """
@@ -164,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
     # cursor back
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    if args.width is not None and not args.svg:
+        print("mars top: --width is for --svg (a terminal has its own width)", file=sys.stderr)
+        return 2
+    args.width = args.width or 110
     model = TopModel()
     console = Console()
     src = None
@@ -203,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"mars top: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        pass
+        if args.svg:  # interrupted before the frame was taken: nothing written
+            print("mars top: interrupted; no SVG written", file=sys.stderr)
+            return 130
     finally:
         if src is not None:
             src.close()
@@ -212,11 +218,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _save_svg(model: Any, src: Source, args: argparse.Namespace) -> int:
     """One frame after watching the stream for one interval, written as an SVG: what a
-    screenshot in the docs is made of (rich draws it; no terminal needed)."""
+    screenshot in the docs is made of (rich draws it; no terminal needed). The interval
+    starts once the stream is live (at most 10 s of waiting), so the frame holds one whole
+    interval of its events."""
     from rich.console import Console
 
     from mars.top.view import frame
 
+    deadline = time.monotonic() + 10.0
+    while src.stream_status != "live" and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(args.interval)
     _drain(model, src)
     _poll(model, src)
@@ -224,7 +235,11 @@ def _save_svg(model: Any, src: Source, args: argparse.Namespace) -> int:
         rec = Console(record=True, width=args.width, file=sink, force_terminal=True,
                       color_system="truecolor")
         rec.print(frame(model, src.url, time.time()))
-    rec.save_svg(args.svg, title=f"mars top  {src.url}")
+    try:
+        rec.save_svg(args.svg, title="mars top")
+    except OSError as e:
+        print(f"mars top: cannot write {args.svg}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"mars top: wrote {args.svg}", file=sys.stderr)
     return 0
 
@@ -253,12 +268,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the sidecar's API key, if it has one (default: $VLLM_API_KEY)")
     p.add_argument("--interval", type=positive_float, default=1.0, metavar="S",
                    help="seconds between polls of the control plane (default: %(default)s)")
-    p.add_argument("--once", action="store_true",
-                   help="print one frame of the polled state and exit (scripts, logs; the "
-                        "stream's tools and pins show in the live view)")
-    p.add_argument("--svg", metavar="FILE",
-                   help="watch the stream for one --interval, write that frame to FILE as an "
-                        "SVG image (colours kept) and exit: screenshots for docs and reports")
-    p.add_argument("--width", type=positive_int, default=110, metavar="COLS",
-                   help="columns of the --svg frame (default: %(default)s)")
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--once", action="store_true",
+                      help="print one frame of the polled state and exit (scripts, logs; "
+                           "the stream's tools and pins show in the live view)")
+    once.add_argument("--svg", metavar="FILE",
+                      help="watch the stream for one --interval, write that frame to FILE as an "
+                           "SVG image (colours kept) and exit: screenshots for docs and reports")
+    p.add_argument("--width", type=positive_int, default=None, metavar="COLS",
+                   help="columns of the --svg frame (default: 110)")
     p.set_defaults(func=run)
