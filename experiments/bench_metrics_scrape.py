@@ -1,6 +1,6 @@
 """What scraping ``/metrics`` costs a sidecar under overload, measured side by side in one run.
 
-    .venv/bin/python experiments/bench_metrics_scrape.py [--streams 200] [--rounds 400]
+    .venv/bin/python experiments/bench_metrics_scrape.py [--streams 200] [--rounds 1000]
                                                         [--scrape-interval 1] [--json out.json]
 
 Starts one ``mars-vllm serve --policy mars`` (embedded tiny model; the sidecar admits sessions
@@ -13,17 +13,20 @@ others' tokens, and folds every engine event into its metrics.
 Under that load a probe makes sequential 1-token calls, each round to the engine directly and
 through the sidecar back to back (order rotated; the probe's session is admitted before the
 load starts, so it never waits in the queue). Rounds alternate in blocks between *no scraper*
-and *a scraper* fetching the sidecar's ``/metrics`` every ``--scrape-interval`` seconds (as
-Prometheus would, at 15 times its default rate). The sidecar's added latency is the median of
-the per-round differences (through the sidecar minus direct), so the engine's own queueing
-under the load cancels; the table gives it with and without the scraper, the scrape's own
-latency, the exposition's size and series count.
+and *a scraper* fetching the sidecar's ``/metrics`` every ``--scrape-interval`` seconds
+(default 1 s; Prometheus's own default is one minute, its example configuration 15 s). The
+sidecar's added latency is the median of the per-round differences (through the sidecar
+minus direct), so the engine's own queueing under the load cancels; the table gives it with
+and without the scraper. Then, still under
+the load, the sidecar's ``/metrics`` and vLLM's own (which the sidecar fetches and appends)
+are scraped back to back: the paired difference is what the sidecar adds to a scrape.
 
 Cores: EngineCore on core 0 and the HTTP frontends (vLLM's API server, the sidecar) on the
 others, as in ``bench_proxy.py`` (a GPU host's shape: the engine computes on the device); the
-load generator, which in a deployment runs on the clients' machines, in a process of its own
-beside the frontends at the lowest CPU priority, so it only takes what they leave idle. Not a test: the numbers depend on the machine
-and on what else runs (the load average is printed); docs/results.md has a run.
+load generator and the scraper, which in a deployment run on other machines, in processes of
+their own beside the frontends at the lowest CPU priority, so they only take what the
+frontends leave idle. Not a test: the numbers depend on the machine and on what else runs
+(the load average is printed); docs/results.md has a run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -46,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from bench_proxy import MODEL, _one_stream, child_sidecar_pid, pct, split_cores, wait_quiet  # noqa: E402
+from bench_proxy import (MODEL, _one_stream, child_sidecar_pid, pct,  # noqa: E402
+                         split_cores, wait_quiet)
 from mars.launch import ServerProcess  # noqa: E402
 
 
@@ -122,44 +126,79 @@ def _load_main(url: str, n: int, tokens: int, cores: list[int] | None, stop, don
 
 
 class Scraper:
-    """Fetches the sidecar's ``/metrics`` every ``interval`` seconds while enabled, then the
-    engine's own (which the sidecar's includes: the difference is the sidecar's part)."""
+    """Fetches the sidecar's ``/metrics`` every ``interval`` seconds while ``on`` is set, from
+    a process of its own at nice 19 (like the load: Prometheus runs elsewhere, and parsing
+    81 KiB a second in the probe's process would slow the probe). Each scrape's latency,
+    size and series count go to ``log``; a failed scrape is counted, never silent."""
 
-    def __init__(self, url: str, engine_url: str, interval: float) -> None:
-        self.url, self.interval = url + "/metrics", interval
-        self.engine_url = engine_url + "/metrics"
-        self.on = threading.Event()
-        self.latency: list[float] = []
-        self.engine_latency: list[float] = []
-        self.size: list[int] = []
-        self.series: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+    def __init__(self, url: str, interval: float, cores: list[int] | None, log: Path) -> None:
+        ctx = mp.get_context("spawn")
+        self.on = ctx.Event()
+        self.log = log
+        self._stop = ctx.Event()
+        self._errors = ctx.Value("i", 0)
+        self._proc = ctx.Process(target=_scrape_main, daemon=True,
+                                 args=(url + "/metrics", interval, cores, str(log), self.on,
+                                       self._stop, self._errors))
+
+    @property
+    def errors(self) -> int:
+        return self._errors.value
+
+    def scrapes(self) -> list[tuple[float, int, int, int]]:
+        """(latency s, bytes, series, mars series) of every scrape so far."""
+        if not self.log.exists():
+            return []
+        return [tuple(json.loads(line)) for line in self.log.read_text().splitlines()]
 
     def __enter__(self) -> "Scraper":
-        self._thread.start()
+        self._proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=60)
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
 
-    def _loop(self) -> None:
-        with httpx.Client(timeout=60) as c:
-            while not self._stop.is_set():
-                if not self.on.wait(0.1):
-                    continue
-                t = time.perf_counter()
-                r = c.get(self.url)
-                self.latency.append(time.perf_counter() - t)
+
+def _scrape_main(url: str, interval: float, cores: list[int] | None, log: str, on, stop,
+                 errors) -> None:
+    if cores:
+        os.sched_setaffinity(0, cores)
+    os.nice(19)
+    with httpx.Client(timeout=60) as c, open(log, "a") as out:
+        while not stop.is_set():
+            if not on.wait(0.1):
+                continue
+            t = time.perf_counter()
+            try:
+                r = c.get(url)
                 r.raise_for_status()
-                self.size.append(len(r.content))
-                self.series.append(sum(1 for line in r.text.splitlines()
-                                       if line and not line.startswith("#")))
-                t1 = time.perf_counter()
-                c.get(self.engine_url).raise_for_status()
-                self.engine_latency.append(time.perf_counter() - t1)
-                self._stop.wait(max(0.0, self.interval - (time.perf_counter() - t)))
+            except httpx.HTTPError as e:
+                with errors.get_lock():
+                    errors.value += 1
+                print(f"scraper: {type(e).__name__}: {e}", file=sys.stderr)
+            else:
+                lines = [ln for ln in r.text.splitlines() if ln and not ln.startswith("#")]
+                out.write(json.dumps([time.perf_counter() - t, len(r.content), len(lines),
+                                      sum(ln.startswith("mars_") for ln in lines)]) + "\n")
+                out.flush()
+            stop.wait(max(0.0, interval - (time.perf_counter() - t)))
+
+
+def scrape_latency(sidecar: str, engine: str, n: int) -> dict[str, list[float]]:
+    """``n`` rounds of the sidecar's ``/metrics`` and vLLM's own, back to back: the sidecar's
+    includes vLLM's, so the paired difference is what the sidecar adds to a scrape."""
+    out: dict[str, list[float]] = {"sidecar": [], "engine": []}
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):
+            for name, url in ((("sidecar", sidecar), ("engine", engine)) if i % 2 else
+                              (("engine", engine), ("sidecar", sidecar))):
+                t = time.perf_counter()
+                c.get(url + "/metrics").raise_for_status()
+                out[name].append(time.perf_counter() - t)
+    return out
 
 
 def probe(targets: dict[str, str], rounds: int, block: int, scraper: Scraper) -> dict:
@@ -192,19 +231,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=200,
                     help="streaming sessions kept in flight (default: %(default)s)")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per stream (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=400,
-                    help="paired probe rounds in all (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64,
+                    help="tokens per stream (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1000,
+                    help="paired probe rounds in all, half of them with the scraper "
+                         "(default: %(default)s)")
     ap.add_argument("--block", type=int, default=25,
                     help="rounds per block; blocks alternate off / on (default: %(default)s)")
     ap.add_argument("--scrape-interval", type=float, default=1.0,
                     help="seconds between scrapes while on (default: %(default)s)")
+    ap.add_argument("--scrape-rounds", type=int, default=30,
+                    help="paired scrapes of the sidecar's and vLLM's /metrics after the probe, "
+                         "under the same load (default: %(default)s)")
     ap.add_argument("--bound-ms", type=float, default=1.0,
                     help="the sidecar's added-p50 target, docs/sidecar.md (default: %(default)s)")
-    ap.add_argument("--quiet-load", type=float, default=2.0)
-    ap.add_argument("--quiet-wait", type=float, default=300)
+    ap.add_argument("--quiet-load", type=float, default=2.0,
+                    help="wait until the 1-min load average is at most this ... "
+                         "(default: %(default)s)")
+    ap.add_argument("--quiet-wait", type=float, default=300,
+                    help="... for at most this many seconds, then start anyway "
+                         "(default: %(default)s)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
+    if args.streams < 1 or args.block < 1 or args.rounds < 2 * args.block:
+        ap.error("--streams and --block must be >= 1 and --rounds >= 2 x --block (both "
+                 "phases need rounds)")
+    if args.scrape_interval <= 0 or args.scrape_rounds < 1:
+        ap.error("--scrape-interval must be > 0 and --scrape-rounds >= 1")
     wait_quiet(args.quiet_load, args.quiet_wait)
     load0 = os.getloadavg()
     print("starting mars-vllm serve --policy mars (tiny model) ...", file=sys.stderr, flush=True)
@@ -214,6 +267,7 @@ def main() -> int:
     try:
         sidecar_pid = child_sidecar_pid(server.proc.pid)
         cores = split_cores(server.proc.pid, [sidecar_pid] if sidecar_pid else [])
+        front = cores["frontends"] if cores else None
         targets = {"direct": server.engine_url, "sidecar": server.url}
         with httpx.Client(timeout=60) as c:  # admit the probe's session before the load
             for name in targets:
@@ -222,21 +276,27 @@ def main() -> int:
                     "vllm_xargs": {"job_id": "probe"}}).raise_for_status()
         print(f"load: {args.streams} streams; probe: {args.rounds} paired rounds ...",
               file=sys.stderr, flush=True)
-        with Load(server.url, args.streams, args.tokens,
-                  cores["frontends"] if cores else None) as load, \
-                Scraper(server.url, server.engine_url, args.scrape_interval) as scraper:
+        with tempfile.TemporaryDirectory() as tmp, \
+                Load(server.url, args.streams, args.tokens, front) as load, \
+                Scraper(server.url, args.scrape_interval, front, Path(tmp) / "scrapes") as sc:
             time.sleep(10)  # the window fills, the queue forms
             state = httpx.get(server.url + "/v1/mars/state", timeout=30).json()
-            t0 = time.perf_counter()
-            lat = probe(targets, args.rounds, args.block, scraper)
-            elapsed = time.perf_counter() - t0
+            t0, done0 = time.perf_counter(), load.done
+            lat = probe(targets, args.rounds, args.block, sc)
+            elapsed, done1 = time.perf_counter() - t0, load.done
             state_end = httpx.get(server.url + "/v1/mars/state", timeout=30).json()
+            print(f"scrapes: {args.scrape_rounds} paired rounds ...", file=sys.stderr,
+                  flush=True)
+            pair = scrape_latency(server.url, server.engine_url, args.scrape_rounds)
+            scrapes, scrape_errors = sc.scrapes(), sc.errors
+        if load.errors or scrape_errors or not scrapes:
+            print(f"load errors {load.errors}, scrape errors {scrape_errors}, scrapes "
+                  f"{len(scrapes)}: the run does not measure what it says", file=sys.stderr)
+            return 1
     finally:
         server.stop()
-    res = {"latency_s": lat, "scrape_s": scraper.latency,
-           "engine_scrape_s": scraper.engine_latency, "scrape_bytes": scraper.size,
-           "scrape_series": scraper.series, "streams_done": load.done,
-           "load_errors": load.errors, "elapsed_s": elapsed,
+    res = {"latency_s": lat, "scrapes": scrapes, "scrape_pair_s": pair,
+           "streams_done": done1 - done0, "elapsed_s": elapsed,
            "admitted_queued": [[state.get("admitted"), state.get("queued")],
                                [state_end.get("admitted"), state_end.get("queued")]],
            "loadavg": [load0, os.getloadavg()], "cores": cores, "args": vars(args),
@@ -258,19 +318,26 @@ def render(res: dict) -> str:
         rows.append(f"| {label} | {len(d)} | {statistics.median(d) * 1e3:.2f} | "
                     f"{statistics.median(s) * 1e3:.2f} | {statistics.median(diffs) * 1e3:+.2f} | "
                     f"{pct(diffs, 0.9) * 1e3:+.2f} |")
-    sc, es = res["scrape_s"], res["engine_scrape_s"]
+    lat_s = [x[0] for x in res["scrapes"]]
+    pair = res["scrape_pair_s"]
+    added = [a - b for a, b in zip(pair["sidecar"], pair["engine"])]
+    series = [x[2] for x in res["scrapes"]]
+    kib = statistics.median(x[1] for x in res["scrapes"]) / 1024
+    ours = statistics.median(x[3] for x in res["scrapes"])
+    side, eng = statistics.median(pair["sidecar"]), statistics.median(pair["engine"])
     (a0, q0), (a1, q1) = res["admitted_queued"]
     load0, load1 = res["loadavg"]
     rows += ["", (
-        f"Scrapes: {len(sc)}, latency p50 {pct(sc, 0.5) * 1e3:.1f} ms / p99 "
-        f"{pct(sc, 0.99) * 1e3:.1f} ms (vLLM's own /metrics, which it includes: p50 "
-        f"{pct(es, 0.5) * 1e3:.1f} ms / p99 {pct(es, 0.99) * 1e3:.1f} ms), "
-        f"{statistics.median(res['scrape_bytes']) / 1024:.0f} KiB, "
-        f"{statistics.median(res['scrape_series']):.0f} series (first {res['scrape_series'][0]}, "
-        f"last {res['scrape_series'][-1]}). Load: {args['streams']} streams of {args['tokens']} "
-        f"tokens kept in flight (nice 19), {res['streams_done']} finished in {res['elapsed_s']:.0f} s "
-        f"({res['load_errors']} errors); the sidecar had {a0} sessions admitted and {q0} queued "
-        f"at the start, {a1} and {q1} at the end. Target: added p50 within "
+        f"Scrapes during the probe: {len(lat_s)}, {pct(lat_s, 0.5) * 1e3:.1f} ms at p50 / "
+        f"{pct(lat_s, 0.99) * 1e3:.1f} ms at p99, {kib:.0f} KiB, "
+        f"{statistics.median(series):.0f} series ({ours:.0f} of them mars's; first "
+        f"{series[0]}, last {series[-1]}). Afterwards, under the same load, {len(added)} "
+        f"scrapes of the sidecar and of vLLM's own /metrics back to back: {side * 1e3:.1f} vs "
+        f"{eng * 1e3:.1f} ms at p50; what the sidecar adds (median of the paired differences): "
+        f"{statistics.median(added) * 1e3:+.1f} ms. Load: {args['streams']} streams of "
+        f"{args['tokens']} tokens kept in flight (nice 19), {res['streams_done']} finished in "
+        f"the probe's {res['elapsed_s']:.0f} s; the sidecar had {a0} sessions admitted and {q0} "
+        f"queued as the probe began, {a1} and {q1} as it ended. Target: added p50 within "
         f"{args['bound_ms']:g} ms. Machine: {os.cpu_count()} CPUs, load average "
         f"{load0[0]:.1f} before / {load1[0]:.1f} after; cores "
         + (f"EngineCore on {res['cores']['engine']}, the rest on {res['cores']['frontends']}."
