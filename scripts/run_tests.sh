@@ -4,11 +4,12 @@
 # pytest's exit code 5 ("no tests collected") counts as a failure: a suite that ran nothing
 # must not look green.
 set -uo pipefail
+# MARS_TEST_JUNIT=FILE: also write the serving suite's test durations there (where its time
+# goes; the agent suite is not included), a path relative to where the script was started
+junit=()
+[ -n "${MARS_TEST_JUNIT:-}" ] && junit=(--junitxml "$(realpath -m "$MARS_TEST_JUNIT")")
 cd "$(dirname "$0")/.."
 rc=0
-# MARS_TEST_JUNIT=FILE: also write every test's duration there (where the suite's time goes)
-junit=()
-[ -n "${MARS_TEST_JUNIT:-}" ] && junit=(--junitxml "$MARS_TEST_JUNIT")
 .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 ${junit[@]+"${junit[@]}"} \
     --ignore=tests/agents tests || rc=$?
 if [ -x .venv-agents/bin/python ]; then
