@@ -137,8 +137,8 @@ def test_cpu_tools_queue_for_tool_cores_and_light_tools_do_not():
 def test_tool_workers_die_with_a_killed_replay(how):
     """A replay killed outright (SIGKILL: no clean-up runs) takes its tool workers with it;
     they used to wait on their queue forever, holding the replay's stdout open. ``asyncio``
-    starts the pool as ``mars replay`` does (``async with``: spawned from an executor thread),
-    and the workers must outlive that thread while the replay lives."""
+    starts the pool as ``mars replay`` does (``async with``), and the workers must outlive
+    the event loop that started them while the replay lives."""
     import signal
     import subprocess
     import sys

@@ -124,8 +124,8 @@ def _exit_with_parent() -> None:
 
     Waits on multiprocessing's parent sentinel (a pipe the parent *process* holds) in a daemon
     thread, not on the kernel's ``PR_SET_PDEATHSIG``: that one fires when the parent *thread*
-    that spawned the worker exits, and :meth:`ToolPool.start` runs in an executor thread, which
-    may end before the pool does."""
+    that spawned the worker exits, and a pool may be started from a thread that ends before
+    it does (``mars replay`` started it from an executor thread until 2026-11-28)."""
     parent = mp.parent_process()
     if parent is None:
         return
@@ -209,20 +209,26 @@ class ToolPool:
         self.running = 0
 
     def start(self) -> "ToolPool":
+        """Start every worker and wait until each has run a no-op (blocking)."""
+        for f in self._spawn():
+            f.result(timeout=120)
+        return self
+
+    def _spawn(self) -> list[Any]:
+        """Spawn the workers (from the calling thread, which must be the main one for the
+        SIGINT mask to apply) and return the futures of one no-op each.
+
+        Every worker is started now, not on the first tool. They are spawned with SIGINT
+        ignored: an ignored signal stays ignored across exec and Python then keeps it so,
+        whereas a Ctrl-C landing before _worker_init ran used to kill a half-started worker
+        and leave the wait for it hanging (seen under load)."""
         if self.virtual:
-            return self
+            return []
         self._pool = ProcessPoolExecutor(
             max_workers=self.workers, mp_context=self._ctx, initializer=_worker_init,
             initargs=(self.cores, self._stop))
-        # Start every worker now (spawn takes ~0.1-0.5 s each), not on the first tool. The
-        # workers are spawned with SIGINT ignored: an ignored signal stays ignored across exec
-        # and Python then keeps it so, whereas a Ctrl-C landing before _worker_init ran used to
-        # kill a half-started worker and leave this wait hanging (seen under load).
         with _sigint_ignored():
-            futs = [self._pool.submit(burn, 0.0, "wall") for _ in range(self.workers)]
-        for f in futs:
-            f.result(timeout=120)
-        return self
+            return [self._pool.submit(burn, 0.0, "wall") for _ in range(self.workers)]
 
     async def run(self, duration_s: float, cpu_bound: bool,
                   on_start: Callable[[float], None] | None = None) -> ToolTiming:
@@ -279,7 +285,12 @@ class ToolPool:
                 p.join(timeout=2.0)
 
     async def __aenter__(self) -> "ToolPool":
-        await asyncio.get_running_loop().run_in_executor(None, self.start)
+        # spawned from the loop's thread (the main one under ``mars replay``), where the SIGINT
+        # mask applies (a spawn is a fork and exec: milliseconds); the wait for the workers'
+        # start-up, seconds under load, does not block the loop
+        futs = self._spawn()
+        if futs:
+            await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, futs)), 120)
         self._slots = asyncio.Semaphore(self.workers)
         return self
 
