@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -54,32 +55,24 @@ from bench_proxy import (MODEL, _one_stream, child_sidecar_pid, pct,  # noqa: E4
 from mars.launch import ServerProcess  # noqa: E402
 
 
-class Load:
-    """``n`` streaming sessions kept in flight until stopped, from a process of their own at
-    the lowest CPU priority (nice 19). A deployment's clients run on other machines: here the
-    load must not take the frontends' core from the sidecar and vLLM's API server (from a
-    thread of this process it did, and the sidecar's added latency measured the load
-    generator), nor can it share the engine's core (the CPU engine's OpenMP thread starved
-    it there: streams stalled for seconds and the queue ran dry)."""
+class _Background:
+    """A helper process of this benchmark (the load, the scraper): spawned on ``cores`` at
+    nice 19 (see :func:`_background`), told to stop through an event, its errors counted in
+    shared memory. Subclasses pass their target and its own arguments; the target gets
+    ``(cores, stop, errors, *args)``."""
 
-    def __init__(self, url: str, n: int, tokens: int, cores: list[int] | None) -> None:
+    def __init__(self, target: Any, *args: Any, cores: list[int] | None) -> None:
         ctx = mp.get_context("spawn")
         self._stop = ctx.Event()
-        self._done = ctx.Value("i", 0)
         self._errors = ctx.Value("i", 0)
-        self._proc = ctx.Process(target=_load_main, daemon=True,
-                                 args=(url, n, tokens, cores, self._stop, self._done,
-                                       self._errors))
-
-    @property
-    def done(self) -> int:
-        return self._done.value
+        self._proc = ctx.Process(target=target, daemon=True,
+                                 args=(cores, self._stop, self._errors, *args))
 
     @property
     def errors(self) -> int:
         return self._errors.value
 
-    def __enter__(self) -> "Load":
+    def __enter__(self):
         self._proc.start()
         return self
 
@@ -89,14 +82,38 @@ class Load:
         if self._proc.is_alive():
             self._proc.kill()
         elif self._proc.exitcode:
-            raise RuntimeError(f"the load process died (exit {self._proc.exitcode})")
+            raise RuntimeError(f"{type(self).__name__.lower()} process died "
+                               f"(exit {self._proc.exitcode})")
 
 
-def _load_main(url: str, n: int, tokens: int, cores: list[int] | None, stop, done,
-               errors) -> None:
+def _background(cores: list[int] | None) -> None:
+    """In a helper process: beside the frontends, at the lowest CPU priority."""
     if cores:
         os.sched_setaffinity(0, cores)
     os.nice(19)
+
+
+class Load(_Background):
+    """``n`` streaming sessions kept in flight until stopped, from a process of their own at
+    the lowest CPU priority (nice 19). A deployment's clients run on other machines: here the
+    load must not take the frontends' core from the sidecar and vLLM's API server (from a
+    thread of this process it did, and the sidecar's added latency measured the load
+    generator), nor can it share the engine's core (the CPU engine's OpenMP thread starved
+    it there: streams stalled for seconds and the queue ran dry)."""
+
+    def __init__(self, url: str, n: int, tokens: int, cores: list[int] | None) -> None:
+        done = mp.get_context("spawn").Value("i", 0)
+        super().__init__(_load_main, url, n, tokens, done, cores=cores)
+        self._done = done
+
+    @property
+    def done(self) -> int:
+        return self._done.value
+
+
+def _load_main(cores: list[int] | None, stop, errors, url: str, n: int, tokens: int,
+               done) -> None:
+    _background(cores)
     host, port = urlsplit(url).hostname, urlsplit(url).port
 
     async def slot(i: int) -> None:
@@ -125,25 +142,16 @@ def _load_main(url: str, n: int, tokens: int, cores: list[int] | None, stop, don
     asyncio.run(run())
 
 
-class Scraper:
+class Scraper(_Background):
     """Fetches the sidecar's ``/metrics`` every ``interval`` seconds while ``on`` is set, from
     a process of its own at nice 19 (like the load: Prometheus runs elsewhere, and parsing
     81 KiB a second in the probe's process would slow the probe). Each scrape's latency,
     size and series count go to ``log``; a failed scrape is counted, never silent."""
 
     def __init__(self, url: str, interval: float, cores: list[int] | None, log: Path) -> None:
-        ctx = mp.get_context("spawn")
-        self.on = ctx.Event()
-        self.log = log
-        self._stop = ctx.Event()
-        self._errors = ctx.Value("i", 0)
-        self._proc = ctx.Process(target=_scrape_main, daemon=True,
-                                 args=(url + "/metrics", interval, cores, str(log), self.on,
-                                       self._stop, self._errors))
-
-    @property
-    def errors(self) -> int:
-        return self._errors.value
+        on = mp.get_context("spawn").Event()
+        super().__init__(_scrape_main, url + "/metrics", interval, str(log), on, cores=cores)
+        self.on, self.log = on, log
 
     def scrapes(self) -> list[tuple[float, int, int, int]]:
         """(latency s, bytes, series, mars series) of every scrape so far."""
@@ -151,22 +159,10 @@ class Scraper:
             return []
         return [tuple(json.loads(line)) for line in self.log.read_text().splitlines()]
 
-    def __enter__(self) -> "Scraper":
-        self._proc.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._proc.join(timeout=60)
-        if self._proc.is_alive():
-            self._proc.kill()
-
-
-def _scrape_main(url: str, interval: float, cores: list[int] | None, log: str, on, stop,
-                 errors) -> None:
-    if cores:
-        os.sched_setaffinity(0, cores)
-    os.nice(19)
+def _scrape_main(cores: list[int] | None, stop, errors, url: str, interval: float, log: str,
+                 on) -> None:
+    _background(cores)
     with httpx.Client(timeout=60) as c, open(log, "a") as out:
         while not stop.is_set():
             if not on.wait(0.1):

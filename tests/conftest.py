@@ -63,6 +63,28 @@ def wait_for_quiet_cpu(idle_fraction: float = 0.85, window_s: float = 2.0,
             return idle
 
 
+def alive(procs: list) -> list[str]:
+    """``pid:name`` of those of ``procs`` (psutil.Process) still running; a zombie has exited."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid}:{p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(procs: list, timeout_s: float) -> list[str]:
+    """Wait up to ``timeout_s`` for ``procs`` to exit; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while (left := alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def engine_server(extra_args: list[str] | None = None, **kw):
     vllm = pytest.importorskip("vllm")  # noqa: F841 - engine tests need the serving env
     from mars.launch import ServerProcess

@@ -14,7 +14,7 @@ import time
 import pytest
 import psutil
 
-from tests.conftest import engine_server, read_events, wait_for_events
+from tests.conftest import engine_server, read_events, wait_gone
 
 httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.engine
@@ -28,24 +28,6 @@ EVENTS_KEY = "sk-tools"
 def _tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
-
-
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid}:{p.name()}")
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while (left := _alive(procs)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def _ipc_path(srv) -> str:
@@ -200,7 +182,7 @@ def test_engine_death_is_503_and_a_failing_exit(keyed):
     else:
         assert st.get("status") == 503 and st["retry"], got
     assert keyed.proc.wait(timeout=60) == 1, keyed.tail()
-    assert not _wait_gone(procs, 15)
+    assert not wait_gone(procs, 15)
     assert not os.path.exists(_ipc_path(keyed))
 
 
@@ -235,7 +217,7 @@ def test_killed_server_leaves_no_orphans():
             time.sleep(0.05)
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(timeout=10)
-        left = _wait_gone(procs, 20)
+        left = wait_gone(procs, 20)
         assert not left, (left, [(p.pid, p.name()) for p in procs])
         t.join(30)
         assert ended and ended[0] != "complete", ended
@@ -265,7 +247,7 @@ def test_sigterm_past_the_drain_bound_aborts_and_exits_0():
         assert "shutting down" in errors[0]["message"]
         assert time.monotonic() - t0[0] < 30  # ended by the server, not by a client timeout
         assert srv.proc.wait(timeout=60) == 0, srv.tail()
-        assert not _wait_gone(procs, 20)
+        assert not wait_gone(procs, 20)
 
 
 def test_sigterm_drains_in_flight_streams():
@@ -296,7 +278,7 @@ def test_sigterm_drains_in_flight_streams():
         assert sent and not errors and finish == "length", (chunks, errors, finish)
         assert late.get("status") == 503 and late["retry"], late
         assert srv.proc.wait(timeout=90) == 0, srv.tail()
-        assert not _wait_gone(procs, 20)
+        assert not wait_gone(procs, 20)
         assert not os.path.exists(_ipc_path(srv))
         # after the drain the public port is closed
         with pytest.raises(httpx.HTTPError):
@@ -351,7 +333,7 @@ def test_a_dead_sidecar_takes_the_server_down(monkeypatch):
         sidecar.kill()
         assert srv.proc.wait(timeout=60) == 1, srv.tail()
         assert "the sidecar exited with status -9" in srv.tail(200)
-        assert not _wait_gone(procs, 20)
+        assert not wait_gone(procs, 20)
         assert not os.path.exists(_ipc_path(srv))
 
 
@@ -391,7 +373,7 @@ def test_a_sidecar_dead_during_start_up_fails_the_command(tmp_path):
         text = log.read_text()
         assert "the sidecar exited with status -9" in text, text[-3000:]
         assert "Application startup complete" not in text  # it died during start-up
-        assert not _wait_gone(list(procs.values()), 20)
+        assert not wait_gone(list(procs.values()), 20)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -424,4 +406,4 @@ def test_group_sigterm_drains_like_a_sigterm_to_the_server():
         assert "the sidecar exited with status" not in log, log[-3000:]
         assert "the sidecar was stopped" not in log, log[-3000:]
         assert "engine died" not in log, log[-3000:]
-        assert not _wait_gone(procs, 20)
+        assert not wait_gone(procs, 20)

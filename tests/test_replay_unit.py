@@ -143,6 +143,10 @@ def test_tool_workers_die_with_a_killed_replay(how):
     import subprocess
     import sys
 
+    import psutil
+
+    from tests.conftest import wait_gone
+
     start = ("pool = ToolPool(workers=2, burn_mode='wall').start()\n" if how == "main thread"
              else "import asyncio\n"
                   "pool = asyncio.run(ToolPool(workers=2, burn_mode='wall').__aenter__())\n")
@@ -155,26 +159,14 @@ def test_tool_workers_die_with_a_killed_replay(how):
     with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                           text=True) as proc:
         try:
-            workers = [int(p) for p in proc.stdout.readline().split()]
+            workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
             assert len(workers) == 2, proc.wait(timeout=60)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
-            deadline = time.monotonic() + 30
-            alive = workers
-            while alive and time.monotonic() < deadline:
-                alive = [p for p in alive if _alive(p)]
-                time.sleep(0.05)
-            assert not alive, f"tool workers {alive} outlived their killed replay"
+            left = wait_gone(workers, 30)
+            assert not left, f"tool workers {left} outlived their killed replay"
         finally:
             proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 def test_tool_pool_rejects_bad_config():
