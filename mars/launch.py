@@ -125,6 +125,8 @@ class ServerProcess:
     #: loopback port of the engine behind the sidecar (0: pick a free one); unused with
     #: ``--no-sidecar`` in ``args``
     engine_port: int = 0
+    #: the folder start() made for the server's log, events and sockets
+    _workdir: str | None = field(default=None, init=False, repr=False)
 
     @property
     def sidecar(self) -> bool:
@@ -157,7 +159,7 @@ class ServerProcess:
         :data:`PORT_RETRIES` times; ports given by the caller are never changed.
         """
         pick_port, pick_engine = not self.port, not self.engine_port
-        workdir = tempfile.mkdtemp(prefix="mars-server-")
+        workdir = self._workdir = tempfile.mkdtemp(prefix="mars-server-")
         self.log_path = self.log_path or os.path.join(workdir, "server.log")
         self.events_file = self.events_file or os.path.join(workdir, "events.jsonl")
         for attempt in range(PORT_RETRIES + 1):
@@ -169,7 +171,9 @@ class ServerProcess:
                 if pick_engine:
                     self.engine_port = free_port()
                 cmd += ["--engine-port", str(self.engine_port)]
-            env = dict(clean_environ(), **(self.env or {}))
+            # vLLM's ZeroMQ sockets go in the server's own folder, not /tmp: a process that
+            # was killed leaves its sockets behind, and stop() removes them with the folder
+            env = dict(clean_environ(), VLLM_RPC_BASE_PATH=workdir, **(self.env or {}))
             with open(self.log_path, "ab" if attempt else "wb") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
@@ -208,6 +212,20 @@ class ServerProcess:
 
     def stop(self) -> None:
         stop_process_group(self.proc, 30.0)
+        self._tidy_workdir()
+
+    def _tidy_workdir(self) -> None:
+        """Remove the sockets the stopped server left in its folder, and the folder once
+        nothing else (its log, its events) is in it."""
+        workdir = self._workdir
+        if not workdir or not os.path.isdir(workdir):
+            return
+        for path in Path(workdir).iterdir():
+            if path.is_socket():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        with contextlib.suppress(OSError):
+            os.rmdir(workdir)  # fails, as it should, while a log or events file is in it
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

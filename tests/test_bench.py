@@ -337,7 +337,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path, delay_s):
                 break
             lines.append(line)
             if "replaying" in line:
-                time.sleep(3)  # into the run: round 0 done, tools running
+                time.sleep(delay_s)  # mid-run: round 0 done, tools running
                 proc.send_signal(signal.SIGINT)
                 break
         else:

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.engine
+#: measures this machine's engine against a model of it: run alone (scripts/run_tests.sh runs
+#: the ``quiet`` tests after the parallel part of the suite)
+pytestmark = [pytest.mark.engine, pytest.mark.quiet]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import psutil
@@ -215,12 +216,19 @@ def test_killed_server_leaves_no_orphans():
         while time.monotonic() < deadline and httpx.get(
                 srv.url + "/v1/mars/state", timeout=10).json()["inflight"] < 1:
             time.sleep(0.05)
+        # vLLM's ZeroMQ sockets are in the server's own folder (not /tmp), where the killed
+        # processes leave them
+        folder = os.path.dirname(srv.log_path)
+        socks = [p for p in Path(folder).iterdir() if p.is_socket()]
+        assert socks, os.listdir(folder)
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(timeout=10)
         left = wait_gone(procs, 20)
         assert not left, (left, [(p.pid, p.name()) for p in procs])
         t.join(30)
         assert ended and ended[0] != "complete", ended
+    # and stopping the server removed them
+    assert [p for p in socks if p.exists()] == []
 
 
 def test_sigterm_past_the_drain_bound_aborts_and_exits_0():
