@@ -1,0 +1,310 @@
+"""Placement: which of several engines of one model serves an agent session (issue #34).
+
+MARS's control plane (§4.2) decides *when* a session may enter one engine: the window
+(:mod:`mars.policy.control.window`) bounds how many, the packer
+(:mod:`mars.policy.control.packing`) picks which by their KV footprint. Past one GPU a third
+decision comes first: *where*. The paper's reasoning carries over unchanged. A session's
+rounds are cheap only where its context is already cached (§3: the KV a tool pause keeps is
+what saves the re-prefill), so every later round goes to the engine that holds it; and a new
+session costs least on the engine whose queue of prefill work is shortest and whose pool can
+take its footprint without evicting contexts that other sessions will come back to.
+
+Two roles, as in vLLM's ``v1/core/sched`` (policy separate from mechanism):
+
+:class:`Placer`
+    The policy: given a call and what is known of each engine (:class:`EngineLoad`), the
+    engine to send it to. :class:`MarsPlacer` and the baselines of issue #34 —
+    :class:`VllmDpPlacer` (vLLM 0.32's own data-parallel balancer, its score read from
+    ``DPLBAsyncMPClient.get_core_engine_for_request``), :class:`RoundRobinPlacer`,
+    :class:`SessionHashPlacer` (session affinity as Dynamo's and llm-d's routers give it),
+    :class:`KvOverlapPlacer` (Dynamo's KV router cost).
+:class:`SessionRouter`
+    The mechanism: remembers where each session went, sends its later rounds there while
+    that engine is alive (for placers that keep sessions; the per-call baselines re-place every
+    call, as they do in their own systems), moves a session only when its engine is gone, and
+    counts the moves.
+
+Framework-free: no vLLM, no HTTP; the sidecar and the simulator fill :class:`EngineLoad`
+from each engine's own events.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One engine as its own events (and the router's own bookkeeping) show it.
+
+    Token quantities are in tokens, block quantities in the engine's KV blocks; the prefill
+    rate is measured (the step-time model's, or the engine's own steps): it converts the
+    token counts every cost below is made of into seconds.
+    """
+
+    rank: int
+    alive: bool = True
+    block_size: int = 16
+    total_blocks: int = 0
+    free_blocks: int = 0
+    #: blocks held for sessions in a tool (pinned); neither free nor reclaimable at no cost
+    pinned_blocks: int = 0
+    #: requests the engine has waiting and running (its last snapshot)
+    waiting: int = 0
+    running: int = 0
+    #: calls the router sent there that have not finished (exact, unlike the snapshot)
+    inflight: int = 0
+    #: prompt tokens of calls sent there whose prefill has not started
+    queued_prefill_tokens: int = 0
+    #: sessions placed there and not ended, and the engine's session window (0: no window)
+    sessions: int = 0
+    window: int = 0
+    #: blocks the engine's admitted sessions are projected to need beyond what they hold
+    #: (the growth forecast the packer charges, :mod:`mars.policy.control.growth`)
+    committed_blocks: int = 0
+    #: measured prefill throughput, tokens per second (> 0)
+    prefill_tokens_per_s: float = 10_000.0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the pool not free (vLLM's ``kv_cache_usage``)."""
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def window_room(self) -> int | None:
+        """Sessions the window still admits; ``None`` where the engine has no window."""
+        return max(0, self.window - self.sessions) if self.window > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """The call to place: its session, its prompt, and how much of the prompt each engine
+    already caches (``cached_tokens[rank]``, from prefix-hit events; absent: none)."""
+
+    session_id: str
+    prompt_tokens: int
+    cached_tokens: Mapping[int, int] = field(default_factory=dict)
+
+
+class NoEngineError(RuntimeError):
+    """Every engine is gone: nothing can serve the call (the sidecar answers 503)."""
+
+
+class Placer(abc.ABC):
+    """Choose the engine for a call. ``sticky``: whether the router keeps a session's later
+    rounds on the engine its first round went to (MARS, session hashing), or asks again for
+    every call (vLLM's balancer, round robin, the KV-overlap router: their own systems route
+    each request on its own)."""
+
+    name: str = ""
+    sticky: bool = True
+
+    @abc.abstractmethod
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        """The rank to send ``call`` to, among the alive ``engines`` (never empty)."""
+
+
+def _alive(engines: Sequence[EngineLoad]) -> list[EngineLoad]:
+    live = [e for e in engines if e.alive]
+    if not live:
+        raise NoEngineError("no engine is alive")
+    return live
+
+
+class MarsPlacer(Placer):
+    """Where a new session costs least, in seconds of the engine's prefill time.
+
+    For each engine: the prefill work already queued there, plus the part of this prompt it
+    does not cache, plus the recompute its admission would force when the footprint does not
+    fit the room left (free blocks less what admitted sessions are projected to grow into:
+    taking that room evicts contexts their owners come back to, and each evicted token is
+    prefilled again), all divided by the engine's measured prefill rate. An engine whose
+    window is full ranks after every engine with room: the session would wait there for a
+    slot of unknown length while another admits it now. Ties go to the engine with fewer
+    sessions, then the lower rank.
+
+    Nothing here is a tuned weight: the terms are token counts the events give and the
+    prefill rate the step-time model measures, so they add up in one unit.
+    """
+
+    name = "mars"
+    sticky = True
+
+    def cost_s(self, call: Call, e: EngineLoad) -> float:
+        cached = min(call.prompt_tokens, max(0, call.cached_tokens.get(e.rank, 0)))
+        uncached = call.prompt_tokens - cached
+        need = math.ceil(uncached / e.block_size)
+        room = e.free_blocks - e.committed_blocks
+        shortfall_tokens = max(0, need - max(0, room)) * e.block_size
+        work = e.queued_prefill_tokens + uncached + shortfall_tokens
+        return work / max(e.prefill_tokens_per_s, 1e-9)
+
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        def key(e: EngineLoad) -> tuple:
+            full = e.window_room == 0
+            return (full, self.cost_s(call, e), e.sessions, e.rank)
+
+        return min(_alive(engines), key=key).rank
+
+
+class VllmDpPlacer(Placer):
+    """vLLM 0.32's data-parallel load balancer, per request (``DPLBAsyncMPClient``): the
+    score of an engine is the larger of its ``waiting + running`` snapshot and this client's
+    own in-flight count, plus ``waiting x 6 x max(0, kv_usage - 0.5)`` (waiting requests
+    weigh more as the pool fills); the lowest score wins, the scan starting one engine later
+    at every call so that ties rotate. One client (the sidecar), so the in-flight count is
+    not scaled; the caller counts a call in ``inflight`` as soon as it is sent, which is the
+    exact floor vLLM keeps between its coordinator's snapshots (every 100 ms). It knows no
+    sessions: each round is placed on its own."""
+
+    name = "vllm_dp"
+    sticky = False
+
+    def __init__(self) -> None:
+        self._start = 0
+
+    @staticmethod
+    def score(e: EngineLoad) -> float:
+        s = float(max(e.inflight, e.waiting + e.running))
+        if e.waiting:
+            s += e.waiting * 6.0 * max(0.0, e.kv_usage - 0.5)
+        return s
+
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        live = _alive(engines)
+        n = len(live)
+        best = min(range(n), key=lambda i: (self.score(live[(self._start + i) % n]), i))
+        chosen = live[(self._start + best) % n]
+        self._start = (self._start + 1) % n
+        return chosen.rank
+
+
+class RoundRobinPlacer(Placer):
+    """Each call to the next alive engine in rank order (a plain HTTP balancer)."""
+
+    name = "round_robin"
+    sticky = False
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        live = sorted(_alive(engines), key=lambda e: e.rank)
+        chosen = live[self._next % len(live)]
+        self._next += 1
+        return chosen.rank
+
+
+class SessionHashPlacer(Placer):
+    """Session affinity by hashing, as Dynamo's and llm-d's routers offer it: rendezvous
+    (highest-random-weight) hashing of the session id over the alive engines, so a session
+    always lands on the same engine and, when one is gone, only its sessions move. Load is
+    not looked at."""
+
+    name = "session_hash"
+    sticky = True
+
+    @staticmethod
+    def weight(session_id: str, rank: int) -> int:
+        h = hashlib.blake2b(f"{session_id}\0{rank}".encode(), digest_size=8).digest()
+        return int.from_bytes(h, "big")
+
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        return max(_alive(engines), key=lambda e: (self.weight(call.session_id, e.rank),
+                                                   -e.rank)).rank
+
+
+class KvOverlapPlacer(Placer):
+    """Dynamo's KV router cost, per request: ``overlap_weight x new prefill blocks + decode
+    blocks``, where the new prefill blocks are the prompt's blocks the engine does not cache
+    and the decode blocks are those in use there plus the prompt's own; the lowest cost wins
+    (Dynamo's default temperature 0 and weight 1.0). The cache overlap keeps a session's
+    rounds together as long as its blocks stay cached."""
+
+    name = "kv_overlap"
+    sticky = False
+
+    def __init__(self, overlap_weight: float = 1.0) -> None:
+        if overlap_weight < 0:
+            raise ValueError("overlap_weight must be >= 0")
+        self.overlap_weight = overlap_weight
+
+    def cost(self, call: Call, e: EngineLoad) -> float:
+        prompt_blocks = math.ceil(call.prompt_tokens / e.block_size)
+        overlap = min(prompt_blocks, max(0, call.cached_tokens.get(e.rank, 0)) // e.block_size)
+        active = e.total_blocks - e.free_blocks
+        return self.overlap_weight * (prompt_blocks - overlap) + active + prompt_blocks
+
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        return min(_alive(engines), key=lambda e: (self.cost(call, e), e.rank)).rank
+
+
+PLACERS: dict[str, type[Placer]] = {p.name: p for p in (
+    MarsPlacer, VllmDpPlacer, RoundRobinPlacer, SessionHashPlacer, KvOverlapPlacer)}
+
+
+def make_placer(name: str) -> Placer:
+    """The placer registered as ``name``; a clear error naming the choices otherwise."""
+    try:
+        return PLACERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown placement {name!r}; choose one of "
+                         f"{', '.join(sorted(PLACERS))}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    rank: int
+    #: the session was on another engine, now gone, and changed engine
+    moved: bool = False
+    #: the session's previous call went to another engine, still alive (a per-call placer
+    #: sent it away from its cached context)
+    switched: bool = False
+
+
+class SessionRouter:
+    """Where each session's calls go: the placer's choice for its first call, the same
+    engine for its later calls while that engine is alive (sticky placers), a new choice
+    when it is gone (counted in :attr:`moves`). A per-call placer may send a session's call
+    away from the engine of its previous call while that one is alive: counted in
+    :attr:`switches` (each such call prefills its context again). Sessions end with
+    :meth:`end`.
+
+    Pure bookkeeping, no clock: a session that never ends (its client vanished) is dropped by
+    the caller's own expiry, as the sidecar drops its other per-session state."""
+
+    def __init__(self, placer: Placer) -> None:
+        self.placer = placer
+        self._where: dict[str, int] = {}
+        self.moves = 0
+        self.switches = 0
+
+    def route(self, call: Call, engines: Sequence[EngineLoad]) -> Decision:
+        alive = {e.rank for e in engines if e.alive}
+        if not alive:
+            raise NoEngineError("no engine is alive")
+        known = self._where.get(call.session_id)
+        if self.placer.sticky and known is not None and known in alive:
+            return Decision(known)
+        rank = self.placer.choose(call, engines)
+        if rank not in alive:
+            raise AssertionError(f"{self.placer.name} chose engine {rank}, which is not alive")
+        moved = known is not None and known not in alive
+        switched = known is not None and known in alive and rank != known
+        self.moves += moved
+        self.switches += switched
+        self._where[call.session_id] = rank
+        return Decision(rank, moved, switched)
+
+    def engine_of(self, session_id: str) -> int | None:
+        return self._where.get(session_id)
+
+    def sessions_on(self, rank: int) -> int:
+        return sum(1 for r in self._where.values() if r == rank)
+
+    def end(self, session_id: str) -> None:
+        self._where.pop(session_id, None)

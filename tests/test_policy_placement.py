@@ -1,0 +1,220 @@
+"""Placement of agent sessions over several engines (issue #34): the policy and the router,
+framework-free (no vLLM, no HTTP)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from mars.policy.control.placement import (
+    PLACERS,
+    Call,
+    EngineLoad,
+    KvOverlapPlacer,
+    MarsPlacer,
+    NoEngineError,
+    RoundRobinPlacer,
+    SessionHashPlacer,
+    SessionRouter,
+    VllmDpPlacer,
+    make_placer,
+)
+
+RATE = 10_000.0  # tokens/s of prefill, the same on every engine here
+
+
+def eng(rank: int, **kw) -> EngineLoad:
+    kw.setdefault("total_blocks", 1000)
+    kw.setdefault("free_blocks", kw["total_blocks"])
+    kw.setdefault("prefill_tokens_per_s", RATE)
+    return EngineLoad(rank=rank, **kw)
+
+
+# ----------------------------------------------------------------------------- MARS
+
+
+def test_mars_sends_a_new_session_where_the_queued_prefill_is_shortest():
+    engines = [eng(0, queued_prefill_tokens=40_000), eng(1, queued_prefill_tokens=8_000),
+               eng(2, queued_prefill_tokens=20_000)]
+    assert MarsPlacer().choose(Call("s", 4_000), engines) == 1
+
+
+def test_mars_counts_a_cached_prefix_as_work_saved():
+    # engine 0 has 2K more queued, but caches 12K of this 16K prompt: 2K+4K < 0+16K
+    engines = [eng(0, queued_prefill_tokens=2_000), eng(1)]
+    call = Call("s", 16_000, cached_tokens={0: 12_000})
+    p = MarsPlacer()
+    assert p.cost_s(call, engines[0]) == pytest.approx(0.6)
+    assert p.cost_s(call, engines[1]) == pytest.approx(1.6)
+    assert p.choose(call, engines) == 0
+
+
+def test_mars_prices_the_evictions_a_footprint_that_does_not_fit_would_force():
+    # engine 0: nothing queued but its room is spoken for by the admitted sessions' growth;
+    # the 8K prompt (500 blocks) would evict 400 blocks of contexts to be prefilled again
+    full = eng(0, free_blocks=300, committed_blocks=200)
+    roomy = eng(1, queued_prefill_tokens=5_000)
+    p = MarsPlacer()
+    call = Call("s", 8_000)
+    assert p.cost_s(call, full) == pytest.approx((8_000 + 400 * 16) / RATE)
+    assert p.cost_s(call, roomy) == pytest.approx((5_000 + 8_000) / RATE)
+    assert p.choose(call, [full, roomy]) == 1
+
+
+def test_mars_prefers_an_engine_whose_window_has_room():
+    # engine 0 is cheaper by every token count but its window is full: the session would
+    # wait there for a slot while engine 1 admits it now
+    engines = [eng(0, sessions=4, window=4), eng(1, sessions=9, window=12,
+                                                  queued_prefill_tokens=30_000)]
+    assert MarsPlacer().choose(Call("s", 1_000), engines) == 1
+    # with every window full, the cost decides again
+    engines = [eng(0, sessions=4, window=4), eng(1, sessions=12, window=12,
+                                                  queued_prefill_tokens=30_000)]
+    assert MarsPlacer().choose(Call("s", 1_000), engines) == 0
+
+
+def test_mars_breaks_ties_by_sessions_then_rank_and_skips_dead_engines():
+    engines = [eng(0, sessions=3), eng(1, sessions=1), eng(2, sessions=1)]
+    assert MarsPlacer().choose(Call("s", 100), engines) == 1
+    engines[1] = eng(1, sessions=1, alive=False)
+    assert MarsPlacer().choose(Call("s", 100), engines) == 2
+
+
+def test_the_prefill_rate_converts_work_into_time_per_engine():
+    # a slower engine (half the prefill rate) with the same queue costs twice as much
+    engines = [eng(0, queued_prefill_tokens=10_000, prefill_tokens_per_s=RATE / 2),
+               eng(1, queued_prefill_tokens=15_000)]
+    assert MarsPlacer().choose(Call("s", 1_000), engines) == 1
+
+
+# ------------------------------------------------------------------------ baselines
+
+
+def test_vllm_dp_score_is_vllms():
+    p = VllmDpPlacer()
+    # max(inflight, waiting + running), plus waiting x 6 x (usage - 0.5) past half the pool
+    assert p.score(eng(0, waiting=2, running=3, inflight=1)) == 5.0
+    assert p.score(eng(0, waiting=0, running=1, inflight=7)) == 7.0
+    e = eng(0, waiting=4, running=2, total_blocks=100, free_blocks=10)  # 90 % used
+    assert p.score(e) == pytest.approx(6 + 4 * 6 * 0.4)
+    assert p.score(eng(0, waiting=4, running=2, total_blocks=100, free_blocks=60)) == 6.0
+
+
+def test_vllm_dp_rotates_ties_and_avoids_a_kv_bound_queue():
+    p = VllmDpPlacer()
+    engines = [eng(0), eng(1), eng(2)]
+    assert [p.choose(Call(f"s{i}", 10), engines) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    # equal waiting + running, but engine 0's queue sits on a nearly full pool
+    engines = [eng(0, waiting=3, running=1, total_blocks=100, free_blocks=5),
+               eng(1, waiting=3, running=1, total_blocks=100, free_blocks=70)]
+    assert {p.choose(Call("x", 10), engines) for _ in range(4)} == {1}
+
+
+def test_round_robin_cycles_over_the_alive_engines():
+    p = RoundRobinPlacer()
+    engines = [eng(2), eng(0), eng(1, alive=False)]
+    assert [p.choose(Call("s", 1), engines) for _ in range(4)] == [0, 2, 0, 2]
+
+
+def test_session_hash_is_stable_and_moves_only_the_dead_engines_sessions():
+    p = SessionHashPlacer()
+    engines = [eng(r) for r in range(4)]
+    sessions = [f"sess-{i}" for i in range(400)]
+    before = {s: p.choose(Call(s, 1), engines) for s in sessions}
+    assert before == {s: p.choose(Call(s, 1), engines) for s in sessions}  # stable
+    counts = collections.Counter(before.values())
+    assert len(counts) == 4 and min(counts.values()) > 60  # spread over every engine
+    engines[2] = eng(2, alive=False)
+    after = {s: p.choose(Call(s, 1), engines) for s in sessions}
+    changed = {s for s in sessions if after[s] != before[s]}
+    assert changed == {s for s in sessions if before[s] == 2}
+
+
+def test_kv_overlap_is_dynamos_cost():
+    p = KvOverlapPlacer()
+    call = Call("s", 1_600, cached_tokens={0: 1_000})  # 100 blocks, 62 cached on engine 0
+    e0 = eng(0, total_blocks=1000, free_blocks=700)   # 300 active
+    e1 = eng(1, total_blocks=1000, free_blocks=900)   # 100 active
+    assert p.cost(call, e0) == (100 - 62) + 300 + 100
+    assert p.cost(call, e1) == 100 + 100 + 100
+    assert p.choose(call, [e0, e1]) == 1
+    assert KvOverlapPlacer(overlap_weight=4.0).choose(call, [e0, e1]) == 0
+    with pytest.raises(ValueError):
+        KvOverlapPlacer(overlap_weight=-1)
+
+
+def test_every_placer_is_registered_and_unknown_names_are_refused():
+    assert set(PLACERS) == {"mars", "vllm_dp", "round_robin", "session_hash", "kv_overlap"}
+    for name in PLACERS:
+        assert make_placer(name).name == name
+    with pytest.raises(ValueError, match="unknown placement 'nope'.*kv_overlap"):
+        make_placer("nope")
+
+
+@pytest.mark.parametrize("name", sorted(PLACERS))
+def test_no_placer_chooses_a_dead_engine_and_none_alive_is_an_error(name):
+    rng = random.Random(name)
+    p = make_placer(name)
+    for i in range(300):
+        engines = [eng(r, alive=rng.random() < 0.6, waiting=rng.randrange(5),
+                       running=rng.randrange(5), free_blocks=rng.randrange(1001),
+                       sessions=rng.randrange(6), window=rng.randrange(6),
+                       queued_prefill_tokens=rng.randrange(50_000)) for r in range(4)]
+        call = Call(f"s{i % 17}", rng.randrange(1, 30_000),
+                    cached_tokens={r: rng.randrange(20_000) for r in range(4)})
+        if not any(e.alive for e in engines):
+            with pytest.raises(NoEngineError):
+                p.choose(call, engines)
+            continue
+        assert engines[p.choose(call, engines)].alive
+
+
+# --------------------------------------------------------------------------- router
+
+
+def test_a_sessions_rounds_stay_on_its_engine_under_a_sticky_placer():
+    r = SessionRouter(MarsPlacer())
+    engines = [eng(0), eng(1, queued_prefill_tokens=50_000)]
+    assert r.route(Call("a", 1_000), engines).rank == 0
+    # engine 0 is now the busier one: a new session goes to 1, "a" stays on 0
+    engines = [eng(0, queued_prefill_tokens=90_000), eng(1, queued_prefill_tokens=50_000)]
+    assert r.route(Call("b", 1_000), engines).rank == 1
+    for _ in range(5):
+        assert r.route(Call("a", 30_000), engines).rank == 0
+    assert (r.moves, r.switches) == (0, 0)
+    assert r.sessions_on(0) == 1 and r.sessions_on(1) == 1
+
+
+def test_a_dead_engines_sessions_move_once_and_are_counted():
+    r = SessionRouter(SessionHashPlacer())
+    engines = [eng(k) for k in range(3)]
+    where = {f"s{i}": r.route(Call(f"s{i}", 10), engines).rank for i in range(60)}
+    victims = [s for s, k in where.items() if k == 1]
+    assert victims
+    engines[1] = eng(1, alive=False)
+    for s in where:
+        d = r.route(Call(s, 10), engines)
+        assert d.rank != 1 and d.moved == (s in victims)
+        assert r.route(Call(s, 10), engines).moved is False  # once
+    assert r.moves == len(victims) and r.switches == 0
+
+
+def test_per_call_placers_are_asked_every_round_and_their_switches_counted():
+    r = SessionRouter(RoundRobinPlacer())
+    engines = [eng(0), eng(1)]
+    ranks = [r.route(Call("a", 10), engines).rank for i in range(4)]
+    assert ranks == [0, 1, 0, 1]
+    assert r.switches == 3 and r.moves == 0
+
+
+def test_an_ended_session_is_forgotten_and_no_engine_is_an_error():
+    r = SessionRouter(MarsPlacer())
+    engines = [eng(0), eng(1)]
+    r.route(Call("a", 10), engines)
+    r.end("a")
+    assert r.engine_of("a") is None
+    r.end("never-seen")  # harmless
+    with pytest.raises(NoEngineError):
+        r.route(Call("b", 10), [eng(0, alive=False)])
