@@ -357,10 +357,19 @@ def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path, delay_s):
     doc = json.loads((out / "bench.json").read_text())
     assert doc["run"]["interrupted"] is True
     (pt,) = doc["points"]
-    assert pt["status"] == "interrupted" and pt["returncode"] == 130
-    res = json.loads((Path(pt["dir"]) / "results.json").read_text())
-    assert res["run"]["interrupted"] is True
-    assert {t["status"] for t in res["tasks"]} <= {"interrupted", "not_started", "completed"}
+    assert pt["status"] == "interrupted"
+    results = Path(pt["dir"]) / "results.json"
+    if delay_s == 0 and pt["returncode"] == -signal.SIGINT:
+        # the signal reached the replay before Python had run any of it (the bench signals
+        # its children the moment it is interrupted; this one had just been started):
+        # nothing was replayed, nothing is saved, --resume runs the point again
+        assert not results.exists()
+    else:
+        # it stopped the graceful way: partial results, exit 130
+        assert pt["returncode"] == 130, pt
+        res = json.loads(results.read_text())
+        assert res["run"]["interrupted"] is True
+        assert {t["status"] for t in res["tasks"]} <= {"interrupted", "not_started", "completed"}
     assert "### ILR-1: task latency" in so and (out / "report.md").exists()
     assert "interrupted" in (out / "report.md").read_text()
     assert _server_pids_under(out) == []

@@ -117,9 +117,22 @@ def main(argv: list[str] | None = None) -> int:
         from mars.cli.openhands import forward
 
         return forward(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from mars.cli.interrupt import EarlyInterrupt
+
+    try:
+        with EarlyInterrupt() as early:
+            parser = build_parser()  # imports every command's module: most of start-up
+            args = parser.parse_args(argv)
+            if getattr(args, "takes_early_interrupt", False):
+                args.early_interrupt = early  # the command stops gracefully on it
+            else:
+                early.release()
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # a Ctrl-C no command caught (one that came before the command could take it, say):
+        # one line and the shell's status for SIGINT, not a traceback
+        print("mars: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

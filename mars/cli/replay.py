@@ -14,7 +14,6 @@ import datetime as _dt
 import json
 import os
 import signal
-import threading
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from mars.workloads.ideal import cache_dir, ideal_key, load_cached, load_ideal_f
 from mars.workloads.prompts import DEFAULT_TOKEN_RANGE, parse_token_range
 from mars.workloads.results import ResultsError, RunResult, format_report, read_results, write_results
 from mars.workloads.toolpool import BURN_MODES
+from mars.cli.interrupt import EarlyInterrupt
 from mars.workloads.trace import Trace, TraceError, read_trace, write_trace
 from mars.cli.types import cores as _cores
 from mars.cli.types import positive_float as _positive_float
@@ -66,38 +66,15 @@ def build_trace(args: argparse.Namespace) -> Trace:
 # --------------------------------------------------------------------------------- replay
 
 
-class _EarlyInterrupt:
-    """Holds a Ctrl-C that lands while the session is still starting (server probe, tool
-    workers spawning), so that it stops the replay the same graceful way as a later one --
-    partial results written, exit 130 -- instead of interrupting start-up half-way."""
-
-    def __init__(self) -> None:
-        self.pending = False
-        self._old = None
-
-    def __enter__(self) -> "_EarlyInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._note)
-        return self
-
-    def _note(self, signum, frame) -> None:  # noqa: ARG002
-        if self.pending:  # a second Ctrl-C: give up now
-            raise KeyboardInterrupt
-        self.pending = True
-        print("\nmars replay: interrupted while starting; stopping once started",
-              file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
-    with _EarlyInterrupt() as early:
+    early = getattr(args, "early_interrupt", None)
+    if early is not None:  # `mars replay`: held (and restored) by mars.cli.main
+        return _cmd_replay(args, early)
+    with EarlyInterrupt("mars replay") as early:
         return _cmd_replay(args, early)
 
 
-def _cmd_replay(args: argparse.Namespace, early: _EarlyInterrupt) -> int:
+def _cmd_replay(args: argparse.Namespace, early: EarlyInterrupt) -> int:
     try:
         trace = build_trace(args)
     except (TraceError, ValueError) as e:
@@ -125,7 +102,7 @@ def _out_dir(args: argparse.Namespace, trace: Trace) -> Path:
 
 
 async def _replay_main(args: argparse.Namespace, trace: Trace,
-                       early: _EarlyInterrupt | None = None) -> int:
+                       early: EarlyInterrupt | None = None) -> int:
     from mars.workloads.replay import ReplayConfig, ReplaySession
 
     out = _out_dir(args, trace)
@@ -384,7 +361,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_slacks(rp)
     rp.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    rp.set_defaults(func=cmd_replay)
+    rp.set_defaults(func=cmd_replay, takes_early_interrupt=True)
 
     rr = subparsers.add_parser(
         "report", help="compare replay results (markdown table)",
