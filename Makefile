@@ -20,11 +20,15 @@ test: setup setup-agents setup-prometheus
 unit: setup
 	.venv/bin/python -m pytest -q -m "not engine" --ignore=tests/agents
 
-# the tier for every commit (~2 min here): no engine, no slow fit, 120 of the 1,080 invariant
-# cases per scheduler class; `make test` runs everything
+# pytest workers for `make check` (scripts/run_tests.sh reads the same variable): the cores, at
+# most 4
+MARS_TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+
+# the tier for every commit (~1.5 min here on two workers): no engine, no slow fit, 120 of the
+# 1,080 invariant cases per scheduler class; `make test` runs everything
 check:
 	MARS_INVARIANT_CASES=120 .venv/bin/python -m pytest -q -p no:cacheprovider \
-	    -m "not engine and not slow" --ignore=tests/agents tests
+	    -n $(MARS_TEST_WORKERS) -m "not engine and not slow" --ignore=tests/agents tests
 
 # resolve the CUDA install with pip --dry-run (network, ~3 min; not part of `make test`)
 check-cuda:
