@@ -246,3 +246,11 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
         "a": False, "b": False}
     assert {s["session_id"]: s["quiet"] for s in c.sessions_view(now + 91.0)} == {
         "a": True, "b": False}
+    # the views count each session's running tools (a late viewer has no tool_start to read)
+    assert {s["session_id"]: s["tools"] for s in c.sessions_view(now + 91.0)} == {"a": 0, "b": 0}
+    c.observe(make_event("tool_start", ts=0.0, session_id="b", tool="bash", call_id="q"),
+              now + 92.0)
+    assert {s["session_id"]: s["tools"] for s in c.sessions_view(now + 92.0)} == {"a": 0, "b": 1}
+    c.observe(make_event("tool_end", ts=0.0, session_id="b", tool="bash", call_id="q",
+                         status="ok", duration_s=1.0), now + 93.0)
+    assert {s["session_id"]: s["tools"] for s in c.sessions_view(now + 93.0)} == {"a": 0, "b": 0}

@@ -67,6 +67,18 @@ def test_the_model_joins_polled_sessions_with_the_stream():
     assert set(m._stream) == {"c", "d"}  # b: no longer listed, no pin
 
 
+def test_a_tool_running_before_the_view_joined_shows_from_the_sidecars_count():
+    """The stream tells a tool's name from its tool_start on; a view started mid-tool learns
+    only the sidecar's count of the session's running tools, and shows the row in a tool."""
+    m = TopModel()
+    m.poll(_state(), [{**SESSIONS[1], "tools": 1}, {**SESSIONS[2], "tools": 0}])
+    rows = {r.session_id: r for r in m.rows(now=1.0)}
+    assert (rows["b"].state, rows["b"].tool) == ("in tool", "?")
+    assert (rows["c"].state, rows["c"].tool) == ("idle", None)
+    m.event({"kind": "tool_start", "session_id": "c", "tool": "bash", "ts": 1.0})
+    assert {r.session_id: r.tool for r in m.rows(now=1.0)}["c"] == "bash"
+
+
 def test_the_view_draws_client_strings_as_text_never_markup():
     """Session ids and tool names are any client string: ``[/x]`` must not break a frame."""
     from rich.console import Console

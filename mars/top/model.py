@@ -113,10 +113,13 @@ class TopModel:
         out = []
         for s in self.sessions:
             st = self._stream.get(s["session_id"], _Stream())
+            # a tool that started before this view joined the stream is known only from the
+            # sidecar's count of the session's running tools: its name is not
+            tool = st.tool or ("?" if _int(s.get("tools")) > 0 else None)
             row = SessionRow(session_id=s["session_id"], inflight=int(s.get("inflight") or 0),
                              requests=int(s.get("requests") or 0),
                              age_s=float(s.get("age_s") or 0.0), kv_blocks=st.kv_blocks,
-                             pin_blocks=st.pin_blocks, tool=st.tool,
+                             pin_blocks=st.pin_blocks, tool=tool,
                              preemptions=st.preemptions,
                              pin_left_s=None if st.pin_until is None else st.pin_until - now)
             row.state = ("queued" if s.get("state") == "queued" else

@@ -330,9 +330,12 @@ class AdmissionCore:
 
     def sessions_view(self, now: float) -> list[dict[str, Any]]:
         quiet = set(self.balance.quiet_sessions(now))
+        state = self.balance.state
+        # tools: the session's tool calls running now (started, not ended), which a viewer
+        # that joins the event stream late cannot learn from it
         return [{"session_id": s.id, "state": "admitted" if s.is_admitted else "queued",
                  "one_shot": s.one_shot, "inflight": s.inflight, "waiting": s.waiting,
                  "requests": s.requests, "age_s": now - s.created,
                  "idle_s": now - s.last_active, "ending": s.end_reason,
-                 "quiet": s.id in quiet}
+                 "quiet": s.id in quiet, "tools": state.active_tools_of(s.id)}
                 for s in self.sessions.values()]
