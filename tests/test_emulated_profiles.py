@@ -6,6 +6,8 @@ emulation predicts (issue #31)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -149,3 +151,16 @@ def test_async_is_kept_for_the_emulated_executor_and_its_subclasses_only():
     assert runs_emulated_executor(cfg(EmulatedExecutor)) and runs_emulated_executor(cfg(Mine))
     for other in ("mp", "uni", None, "vllm.v1.executor.uniproc_executor.UniProcExecutor"):
         assert not runs_emulated_executor(cfg(other)), other
+
+
+def test_bad_profiles_are_refused_by_serve_and_sim(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "ILR-1", "--num-tasks",
+                        "1", "--profile", str(bad), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not a device profile" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mars.engine.serve.cli", "serve", "--emulate",
+                        str(tmp_path / "missing.json")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "cannot read device profile" in r.stderr, r.stderr[-2000:]
