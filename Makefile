@@ -26,7 +26,7 @@ MARS_TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
 # the tier for every commit (~1.5 min here on two workers): no engine, no slow fit, 120 of the
 # 1,080 invariant cases per scheduler class; `make test` runs everything
-check:
+check: setup
 	MARS_INVARIANT_CASES=120 .venv/bin/python -m pytest -q -p no:cacheprovider \
 	    -n $(MARS_TEST_WORKERS) -m "not engine and not slow" --ignore=tests/agents tests
 

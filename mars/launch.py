@@ -173,7 +173,7 @@ class ServerProcess:
                 cmd += ["--engine-port", str(self.engine_port)]
             # vLLM's ZeroMQ sockets go in the server's own folder, not /tmp: a process that
             # was killed leaves its sockets behind, and stop() removes them with the folder
-            env = dict(clean_environ(), VLLM_RPC_BASE_PATH=workdir, **(self.env or {}))
+            env = {**clean_environ(), "VLLM_RPC_BASE_PATH": workdir, **(self.env or {})}
             with open(self.log_path, "ab" if attempt else "wb") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
@@ -188,6 +188,7 @@ class ServerProcess:
                 retry = "address already in use" in tail and (
                     pick_port if public else pick_engine and self.sidecar)
                 if not retry or attempt == PORT_RETRIES:
+                    self._tidy_workdir()
                     raise
         raise AssertionError("unreachable")
 

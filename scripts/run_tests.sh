@@ -22,33 +22,53 @@ fi
 cd "$(dirname "$0")/.."
 cores=$(nproc)
 workers=${MARS_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
+  echo "run_tests: MARS_TEST_WORKERS must be a number of workers, not '$workers'" >&2
+  exit 2
+fi
 xdist=()
 [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
 start=$(date +%s)
 stamp() { echo "run_tests: $1 at $(( $(date +%s) - start )) s" >&2; }
 
 # the agent suite, in the background; its output is shown when it is done
-agents_rc_file=$(mktemp) agents_log=$(mktemp)
+scratch=$(mktemp -d)
+agents_rc_file=$scratch/agents.rc agents_log=$scratch/agents.log
 echo 1 >"$agents_rc_file"
+trap 'rm -rf "$scratch"' EXIT
+# (the long commands below run in the background and are waited for: bash runs a trap only
+# between commands, and `wait` is one it can interrupt; each in a subshell, where Ctrl-C is
+# not ignored as it is for a plain `command &` of a script, so the tests see it as usual)
 trap 'trap - INT TERM; kill 0' INT TERM
 agents() {
   if [ ! -x .venv-agents/bin/python ]; then
     echo "run_tests: .venv-agents missing (scripts/setup_agents.sh failed?)" >&2
     return 1
   fi
-  local port log server rc=0
-  port=$(.venv/bin/python -c "from mars.launch import free_port; print(free_port())")
-  log=$(mktemp -d)/agents-server.log
-  # the tiny model's tokenizer makes the OpenHands prompt ~18K tokens: a 32K context, and a
-  # KV cache for two such sessions
-  .venv/bin/mars-vllm serve --policy mars --max-model-len 32768 \
-      --kv-cache-memory-bytes 67108864 --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
-  server=$!
-  for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1 && break
-    kill -0 $server 2>/dev/null || break
-    sleep 1
+  local port log=$scratch/agents-server.log server rc=0 attempt up
+  # a port picked free can be taken by another test's server before this one binds it: the
+  # server then exits at once saying so, and starts again on a fresh one (as ServerProcess)
+  for attempt in 1 2 3 4; do
+    port=$(.venv/bin/python -c "from mars.launch import free_port; print(free_port())")
+    # the tiny model's tokenizer makes the OpenHands prompt ~18K tokens: a 32K context, and
+    # a KV cache for two such sessions
+    .venv/bin/mars-vllm serve --policy mars --max-model-len 32768 \
+        --kv-cache-memory-bytes 67108864 --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+    server=$! up=0
+    for _ in $(seq 1 300); do
+      curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1 && { up=1; break; }
+      kill -0 $server 2>/dev/null || break
+      sleep 1
+    done
+    [ $up -eq 1 ] && break
+    wait $server 2>/dev/null
+    grep -qi "address already in use" "$log" || break
+    echo "run_tests: the agent server's port was taken; again on another (attempt $attempt)" >&2
   done
+  if [ $up -ne 1 ]; then
+    echo "run_tests: the agent tests' server did not start; its log:" >&2
+    tail -n 40 "$log" >&2
+  fi
   MARS_TEST_URL="http://127.0.0.1:$port" .venv-agents/bin/python -m pytest -q \
       -p no:cacheprovider tests/agents || rc=$?
   kill -TERM -- $server 2>/dev/null; pkill -TERM -P $server 2>/dev/null; wait $server 2>/dev/null
@@ -58,16 +78,19 @@ agents() {
 agents_pid=$!
 
 rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 ${xdist[@]+"${xdist[@]}"} \
-    ${junit[@]+"${junit[@]}"} -m "not quiet" --ignore=tests/agents tests || rc=$?
+( exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 \
+    ${xdist[@]+"${xdist[@]}"} ${junit[@]+"${junit[@]}"} -m "not quiet" --ignore=tests/agents tests ) &
+wait $! || rc=$?
 stamp "serving tests done"
 wait $agents_pid
 echo "---- agent tests (.venv-agents) ----"
 cat "$agents_log"
-arc=$(cat "$agents_rc_file"); rm -f "$agents_rc_file" "$agents_log"
-[ "$arc" -ne 0 ] && [ $rc -eq 0 ] && rc=$arc
+arc=$(cat "$agents_rc_file")
+arc=${arc:-1}  # no status written: the agent part did not finish
+[ "$arc" != 0 ] && [ $rc -eq 0 ] && rc=$arc
 
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=10 \
-    ${junit_quiet[@]+"${junit_quiet[@]}"} -m quiet --ignore=tests/agents tests || { r=$?; [ $rc -eq 0 ] && rc=$r; }
+( exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=10 \
+    ${junit_quiet[@]+"${junit_quiet[@]}"} -m quiet --ignore=tests/agents tests ) &
+wait $! || { r=$?; [ $rc -eq 0 ] && rc=$r; }
 stamp "quiet tests done"
 exit $rc

@@ -365,8 +365,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path, delay_s):
         # nothing was replayed, nothing is saved, --resume runs the point again
         assert not results.exists()
     else:
-        # it stopped the graceful way: partial results, exit 130
+        # it stopped the graceful way: partial results, exit 130, no traceback
         assert pt["returncode"] == 130, pt
+        assert "Traceback" not in (Path(pt["dir"]) / "replay.log").read_text()
         res = json.loads(results.read_text())
         assert res["run"]["interrupted"] is True
         assert {t["status"] for t in res["tasks"]} <= {"interrupted", "not_started", "completed"}

@@ -69,10 +69,29 @@ def test_mars_prefers_an_engine_whose_window_has_room():
     engines = [eng(0, sessions=4, window=4), eng(1, sessions=9, window=12,
                                                   queued_prefill_tokens=30_000)]
     assert MarsPlacer().choose(Call("s", 1_000), engines) == 1
-    # with every window full, the cost decides again
-    engines = [eng(0, sessions=4, window=4), eng(1, sessions=12, window=12,
+    # with every window full, the shortest line for a slot, in windows: 41 sessions waiting
+    # for 4 slots on engine 0, 2 for 4 on engine 1, however cheap engine 0 is otherwise
+    engines = [eng(0, sessions=44, window=4), eng(1, sessions=6, window=4,
+                                                  queued_prefill_tokens=30_000)]
+    assert [e.wait_line for e in engines] == [41 / 4, 3 / 4]
+    assert MarsPlacer().choose(Call("s", 1_000), engines) == 1
+    # a bigger window drains a line of the same length sooner
+    engines = [eng(0, sessions=8, window=4), eng(1, sessions=20, window=16)]
+    assert MarsPlacer().choose(Call("s", 1_000), engines) == 1
+    # equal lines: the cost decides again
+    engines = [eng(0, sessions=4, window=4), eng(1, sessions=4, window=4,
                                                   queued_prefill_tokens=30_000)]
     assert MarsPlacer().choose(Call("s", 1_000), engines) == 0
+
+
+def test_an_engine_without_kv_stats_is_charged_no_recompute_and_bad_loads_are_refused():
+    fresh = eng(0, total_blocks=0, free_blocks=0)
+    assert not fresh.has_kv_stats
+    assert MarsPlacer().cost_s(Call("s", 8_000), fresh) == pytest.approx(8_000 / RATE)
+    with pytest.raises(ValueError, match="block_size"):
+        EngineLoad(rank=0, block_size=0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        EngineLoad(rank=0, prefill_tokens_per_s=0)
 
 
 def test_mars_breaks_ties_by_sessions_then_rank_and_skips_dead_engines():
@@ -104,12 +123,27 @@ def test_vllm_dp_score_is_vllms():
 
 def test_vllm_dp_rotates_ties_and_avoids_a_kv_bound_queue():
     p = VllmDpPlacer()
-    engines = [eng(0), eng(1), eng(2)]
+    engines = [eng(2), eng(0), eng(1)]  # scanned in rank order, whatever order they come in
     assert [p.choose(Call(f"s{i}", 10), engines) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    p.snapshot()
     # equal waiting + running, but engine 0's queue sits on a nearly full pool
     engines = [eng(0, waiting=3, running=1, total_blocks=100, free_blocks=5),
                eng(1, waiting=3, running=1, total_blocks=100, free_blocks=70)]
     assert {p.choose(Call("x", 10), engines) for _ in range(4)} == {1}
+
+
+def test_vllm_dp_counts_its_own_sends_until_the_next_snapshot():
+    # engine 0 looks emptier in the snapshot (1 against 3 running), its pool 90 % used: the
+    # calls sent there meanwhile wait in vLLM's local count and weigh with the KV penalty,
+    # so a burst spills to engine 1 before the next snapshot shows it
+    p = VllmDpPlacer()
+    engines = [eng(0, running=1, total_blocks=100, free_blocks=10),
+               eng(1, running=3, total_blocks=100, free_blocks=60)]
+    burst = [p.choose(Call(f"s{i}", 10), engines) for i in range(4)]
+    assert burst[0] == 0 and 1 in burst
+    # the snapshot now holds those calls: the local additions are dropped
+    p.snapshot()
+    assert p.score(engines[0]) == 1.0
 
 
 def test_round_robin_cycles_over_the_alive_engines():
@@ -141,8 +175,22 @@ def test_kv_overlap_is_dynamos_cost():
     assert p.cost(call, e1) == 100 + 100 + 100
     assert p.choose(call, [e0, e1]) == 1
     assert KvOverlapPlacer(overlap_weight=4.0).choose(call, [e0, e1]) == 0
+    # prefill in flight counts with the prompt's new blocks; pinned blocks decode nothing
+    busy = eng(1, total_blocks=1000, free_blocks=900, queued_prefill_tokens=3_200)
+    assert p.cost(call, busy) == 200 + 100 + 100 + 100
+    assert p.choose(call, [e0, busy]) == 0
+    paused = eng(0, total_blocks=1000, free_blocks=700, pinned_blocks=250)
+    assert p.cost(call, paused) == (100 - 62) + 50 + 100
     with pytest.raises(ValueError):
         KvOverlapPlacer(overlap_weight=-1)
+
+
+def test_kv_overlap_made_sticky_is_dynamos_session_affinity():
+    r = SessionRouter(KvOverlapPlacer(sticky=True))
+    engines = [eng(0, total_blocks=1000, free_blocks=100), eng(1)]
+    assert r.route(Call("a", 160), engines).rank == 1
+    engines = [eng(0), eng(1, total_blocks=1000, free_blocks=100)]
+    assert r.route(Call("a", 160), engines).rank == 1 and r.switches == 0
 
 
 def test_every_placer_is_registered_and_unknown_names_are_refused():

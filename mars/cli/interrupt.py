@@ -24,7 +24,10 @@ class EarlyInterrupt:
         self._armed = False
 
     def __enter__(self) -> "EarlyInterrupt":
-        if threading.current_thread() is threading.main_thread():
+        # not off the main thread (signals go there), and not where Ctrl-C is ignored (a
+        # background job of a script): nothing to hold there
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
             self._old = signal.signal(signal.SIGINT, self._note)
             self._armed = True
         return self
@@ -38,7 +41,9 @@ class EarlyInterrupt:
 
     def _restore(self) -> None:
         if self._armed:
-            signal.signal(signal.SIGINT, self._old)
+            # None: the handler before was not set from Python; the default is what is left
+            signal.signal(signal.SIGINT, self._old if self._old is not None
+                          else signal.default_int_handler)
             self._armed = False
 
     def release(self) -> None:

@@ -69,6 +69,17 @@ class EngineLoad:
     #: measured prefill throughput, tokens per second (> 0)
     prefill_tokens_per_s: float = 10_000.0
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"engine {self.rank}: block_size must be >= 1")
+        if self.prefill_tokens_per_s <= 0:
+            raise ValueError(f"engine {self.rank}: prefill_tokens_per_s must be > 0")
+
+    @property
+    def has_kv_stats(self) -> bool:
+        """Whether the engine has reported its pool yet (its first snapshot)."""
+        return self.total_blocks > 0
+
     @property
     def kv_usage(self) -> float:
         """Fraction of the pool not free (vLLM's ``kv_cache_usage``)."""
@@ -78,6 +89,15 @@ class EngineLoad:
     def window_room(self) -> int | None:
         """Sessions the window still admits; ``None`` where the engine has no window."""
         return max(0, self.window - self.sessions) if self.window > 0 else None
+
+    @property
+    def wait_line(self) -> float:
+        """How far back in its engine's queue a new session would wait, in windows: the
+        sessions already waiting for a slot, plus itself, over the slots that free as
+        sessions end (0 where the window has room or there is none)."""
+        if self.window <= 0 or self.sessions < self.window:
+            return 0.0
+        return (self.sessions - self.window + 1) / self.window
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +144,11 @@ class MarsPlacer(Placer):
     taking that room evicts contexts their owners come back to, and each evicted token is
     prefilled again), all divided by the engine's measured prefill rate. An engine whose
     window is full ranks after every engine with room: the session would wait there for a
-    slot of unknown length while another admits it now. Ties go to the engine with fewer
-    sessions, then the lower rank.
+    slot while another admits it now; among full engines the shortest line for a slot, in
+    windows (:attr:`EngineLoad.wait_line`), goes first, since a slot frees each time one of
+    the admitted sessions ends. Ties go to the engine with fewer sessions, then the lower
+    rank. An engine that has not reported its pool yet is charged no recompute (nothing is
+    known to be evicted there).
 
     Nothing here is a tuned weight: the terms are token counts the events give and the
     prefill rate the step-time model measures, so they add up in one unit.
@@ -138,15 +161,14 @@ class MarsPlacer(Placer):
         cached = min(call.prompt_tokens, max(0, call.cached_tokens.get(e.rank, 0)))
         uncached = call.prompt_tokens - cached
         need = math.ceil(uncached / e.block_size)
-        room = e.free_blocks - e.committed_blocks
+        room = e.free_blocks - e.committed_blocks if e.has_kv_stats else need
         shortfall_tokens = max(0, need - max(0, room)) * e.block_size
         work = e.queued_prefill_tokens + uncached + shortfall_tokens
         return work / max(e.prefill_tokens_per_s, 1e-9)
 
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
         def key(e: EngineLoad) -> tuple:
-            full = e.window_room == 0
-            return (full, self.cost_s(call, e), e.sessions, e.rank)
+            return (e.wait_line, self.cost_s(call, e), e.sessions, e.rank)
 
         return min(_alive(engines), key=key).rank
 
@@ -156,30 +178,39 @@ class VllmDpPlacer(Placer):
     score of an engine is the larger of its ``waiting + running`` snapshot and this client's
     own in-flight count, plus ``waiting x 6 x max(0, kv_usage - 0.5)`` (waiting requests
     weigh more as the pool fills); the lowest score wins, the scan starting one engine later
-    at every call so that ties rotate. One client (the sidecar), so the in-flight count is
-    not scaled; the caller counts a call in ``inflight`` as soon as it is sent, which is the
-    exact floor vLLM keeps between its coordinator's snapshots (every 100 ms). It knows no
-    sessions: each round is placed on its own."""
+    at every call so that ties rotate, in rank order. Between two snapshots of the engines'
+    counts (vLLM's coordinator publishes one every 100 ms) it adds each call it sends to the
+    chosen engine's ``waiting``, as vLLM does, and forgets those additions when the caller
+    says a new snapshot arrived (:meth:`snapshot`); the caller counts the call in
+    ``inflight`` at once (vLLM's exact floor). One client (the sidecar), so the in-flight
+    count is not scaled: a ``--data-parallel-size N`` server runs N API servers, each
+    scaling its own by N. It knows no sessions: each round is placed on its own."""
 
     name = "vllm_dp"
     sticky = False
 
     def __init__(self) -> None:
         self._start = 0
+        self._sent: dict[int, int] = {}  # rank -> calls sent since the last snapshot
 
-    @staticmethod
-    def score(e: EngineLoad) -> float:
-        s = float(max(e.inflight, e.waiting + e.running))
-        if e.waiting:
-            s += e.waiting * 6.0 * max(0.0, e.kv_usage - 0.5)
+    def snapshot(self) -> None:
+        """New counts from the engines: the local additions are in them now."""
+        self._sent.clear()
+
+    def score(self, e: EngineLoad) -> float:
+        waiting = e.waiting + self._sent.get(e.rank, 0)
+        s = float(max(e.inflight, waiting + e.running))
+        if waiting:
+            s += waiting * 6.0 * max(0.0, e.kv_usage - 0.5)
         return s
 
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
-        live = _alive(engines)
+        live = sorted(_alive(engines), key=lambda e: e.rank)
         n = len(live)
         best = min(range(n), key=lambda i: (self.score(live[(self._start + i) % n]), i))
         chosen = live[(self._start + best) % n]
         self._start = (self._start + 1) % n
+        self._sent[chosen.rank] = self._sent.get(chosen.rank, 0) + 1
         return chosen.rank
 
 
@@ -200,10 +231,11 @@ class RoundRobinPlacer(Placer):
 
 
 class SessionHashPlacer(Placer):
-    """Session affinity by hashing, as Dynamo's and llm-d's routers offer it: rendezvous
-    (highest-random-weight) hashing of the session id over the alive engines, so a session
-    always lands on the same engine and, when one is gone, only its sessions move. Load is
-    not looked at."""
+    """Session affinity by consistent hashing: rendezvous (highest-random-weight) hashing of
+    the session id over the alive engines, so a session always lands on the same engine and,
+    when one is gone, only its sessions move. Load is not looked at. (Dynamo's and llm-d's
+    session affinity places a session's first request by their load or KV cost and then
+    sticks to it: :class:`KvOverlapPlacer` with ``sticky`` set is that one.)"""
 
     name = "session_hash"
     sticky = True
@@ -219,25 +251,30 @@ class SessionHashPlacer(Placer):
 
 
 class KvOverlapPlacer(Placer):
-    """Dynamo's KV router cost, per request: ``overlap_weight x new prefill blocks + decode
-    blocks``, where the new prefill blocks are the prompt's blocks the engine does not cache
-    and the decode blocks are those in use there plus the prompt's own; the lowest cost wins
-    (Dynamo's default temperature 0 and weight 1.0). The cache overlap keeps a session's
-    rounds together as long as its blocks stay cached."""
+    """Dynamo's KV router cost, per request: ``overlap_weight x prefill blocks + decode
+    blocks``. The prefill blocks are the engine's prefill work in flight (queued prompt
+    tokens) plus the prompt's tokens it does not cache, in blocks; the decode blocks are
+    those active there (in use by requests: the pool less its free blocks and less the
+    blocks pinned for sessions in a tool, which Dynamo's router would not count) plus the
+    prompt's own. The lowest cost wins (Dynamo's default temperature 0 and weight 1.0). The
+    cache overlap keeps a session's rounds together while its blocks stay cached;
+    ``sticky=True`` makes it Dynamo's session affinity (first call by cost, then stay)."""
 
     name = "kv_overlap"
     sticky = False
 
-    def __init__(self, overlap_weight: float = 1.0) -> None:
+    def __init__(self, overlap_weight: float = 1.0, sticky: bool = False) -> None:
         if overlap_weight < 0:
             raise ValueError("overlap_weight must be >= 0")
         self.overlap_weight = overlap_weight
+        self.sticky = sticky
 
     def cost(self, call: Call, e: EngineLoad) -> float:
         prompt_blocks = math.ceil(call.prompt_tokens / e.block_size)
         overlap = min(prompt_blocks, max(0, call.cached_tokens.get(e.rank, 0)) // e.block_size)
-        active = e.total_blocks - e.free_blocks
-        return self.overlap_weight * (prompt_blocks - overlap) + active + prompt_blocks
+        prefill = e.queued_prefill_tokens / e.block_size + prompt_blocks - overlap
+        active = max(0, e.total_blocks - e.free_blocks - e.pinned_blocks)
+        return self.overlap_weight * prefill + active + prompt_blocks
 
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
         return min(_alive(engines), key=lambda e: (self.cost(call, e), e.rank)).rank
