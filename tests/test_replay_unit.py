@@ -627,3 +627,75 @@ def test_recomputed_context_and_preemptions():
     assert rows["preemptions (server)"] == "–"
     r.server_metrics = {**r.server_metrics, "vllm:num_preemptions_total": 3.0}
     assert dict(report_rows(r.finalize()))["preemptions (server)"] == "3"
+
+
+def test_ctrl_c_while_the_replay_probes_its_server_stops_it_gracefully(tmp_path):
+    """A Ctrl-C that lands during start-up (here: while the server probe waits for its
+    answer) is held, not raised half-way: start-up ends, no task starts, the partial results
+    (every task not started) are written, exit 130, no traceback. The server is a stub that
+    answers the probe only once the signal was sent, so the moment is certain."""
+    import http.server
+    import os
+    import signal
+    import threading
+
+    probed, release, paths = threading.Event(), threading.Event(), []
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            paths.append(("GET", self.path))
+            if self.path == "/v1/models":
+                probed.set()
+                release.wait(30)
+                self._send(200, {"object": "list", "data": [
+                    {"id": "stub", "object": "model", "max_model_len": 4096}]})
+            else:
+                self._send(404, {"error": "no"})
+
+        def do_POST(self):  # noqa: N802
+            paths.append(("POST", self.path))
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self._send(404, {"error": "no"})
+
+        def log_message(self, *a):  # quiet
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+
+    def ctrl_c_as_in_a_terminal() -> None:  # not ignored, even under `nohup make test &`
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mars.cli", "replay", "ILR-1", "--num-tasks", "2",
+             "--ideal", "skip", "--no-progress", "--url", url, "--out", str(tmp_path / "r")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=ctrl_c_as_in_a_terminal)
+        try:
+            assert probed.wait(60), proc.communicate(timeout=30)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)  # (delivered while the probe still waits)
+            release.set()
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        release.set()
+        srv.shutdown()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted while starting" in err and "Traceback" not in err, err[-3000:]
+    res = read_results(tmp_path / "r")
+    assert res.run["interrupted"] is True
+    assert [t.status for t in res.tasks] == ["not_started", "not_started"]
+    assert not [p for p in paths if "completions" in p[1]]  # no call was sent

@@ -181,9 +181,9 @@ async def _replay_main(args: argparse.Namespace, trace: Trace,
                     ideal = _save_ideal(iso, key, key_fields, cdir, ideal_info)
             elif args.ideal != "skip":
                 ideal_info["source"] = str(args.ideal)
-            if session.stopping:
+            if session.stopping and extra:  # stopped while measuring the ideal latencies
                 result = extra[0]
-            else:
+            else:  # (stopped before: the load run starts no task and says so)
                 out.mkdir(parents=True, exist_ok=True)
                 result = await session.run(trace, "load", args.label or "replay",
                                            events_path=out / "events.jsonl", ideal=ideal)
