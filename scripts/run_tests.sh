@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run the whole suite, in three parts:
 #   1. the serving environment's tests, whole modules spread over one pytest worker per core
-#      (pytest-xdist --dist loadfile: a module's engine servers are shared by its tests), and
-#      beside them the agent environment's tests, whose end-to-end test needs a real
-#      `mars-vllm serve` (sidecar in front) that this script starts;
-#   2. the `quiet` tests, alone: they time this machine's engine against a model of it, and a
+#      (pytest-xdist --dist loadfile: a module's engine servers are shared by its tests);
+#   2. the agent environment's tests, whose end-to-end test needs a real `mars-vllm serve`
+#      (sidecar in front) that this script starts. Not beside part 1: on two cores busy with
+#      it, a terminal tool's command after an interrupted one once missed its 10 s timeout;
+#   3. the `quiet` tests, alone: they time this machine's engine against a model of it, and a
 #      neighbour on the other core would slow what they measure.
 # pytest's exit code 5 ("no tests collected") counts as a failure: a suite that ran nothing
 # must not look green.
@@ -31,7 +32,6 @@ xdist=()
 start=$(date +%s)
 stamp() { echo "run_tests: $1 at $(( $(date +%s) - start )) s" >&2; }
 
-# the agent suite, in the background; its output is shown when it is done
 scratch=$(mktemp -d)
 agents_rc_file=$scratch/agents.rc agents_log=$scratch/agents.log
 echo 1 >"$agents_rc_file"
@@ -74,15 +74,14 @@ agents() {
   kill -TERM -- $server 2>/dev/null; pkill -TERM -P $server 2>/dev/null; wait $server 2>/dev/null
   return $rc
 }
-( agents >"$agents_log" 2>&1; echo $? >"$agents_rc_file"; stamp "agent tests done" ) &
-agents_pid=$!
-
 rc=0
 ( exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=30 \
     ${xdist[@]+"${xdist[@]}"} ${junit[@]+"${junit[@]}"} -m "not quiet" --ignore=tests/agents tests ) &
 wait $! || rc=$?
 stamp "serving tests done"
-wait $agents_pid
+( agents >"$agents_log" 2>&1; echo $? >"$agents_rc_file" ) &
+wait $!
+stamp "agent tests done"
 echo "---- agent tests (.venv-agents) ----"
 cat "$agents_log"
 arc=$(cat "$agents_rc_file")
