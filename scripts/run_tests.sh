@@ -12,7 +12,7 @@
 #
 # MARS_TEST_WORKERS=N: pytest workers for part 1 (default: the cores, at most 4; 0 runs it in
 # one process). MARS_TEST_JUNIT=FILE: also write the serving suite's test durations there
-# (where its time goes; the agent suite is not included), FILE.quiet.xml for part 2; a path
+# (where its time goes; the agent suite is not included), FILE.quiet.xml for part 3; a path
 # relative to where the script was started.
 set -uo pipefail
 junit=() junit_quiet=()
@@ -33,8 +33,6 @@ start=$(date +%s)
 stamp() { echo "run_tests: $1 at $(( $(date +%s) - start )) s" >&2; }
 
 scratch=$(mktemp -d)
-agents_rc_file=$scratch/agents.rc agents_log=$scratch/agents.log
-echo 1 >"$agents_rc_file"
 trap 'rm -rf "$scratch"' EXIT
 # (the long commands below run in the background and are waited for: bash runs a trap only
 # between commands, and `wait` is one it can interrupt; each in a subshell, where Ctrl-C is
@@ -79,14 +77,10 @@ rc=0
     ${xdist[@]+"${xdist[@]}"} ${junit[@]+"${junit[@]}"} -m "not quiet" --ignore=tests/agents tests ) &
 wait $! || rc=$?
 stamp "serving tests done"
-( agents >"$agents_log" 2>&1; echo $? >"$agents_rc_file" ) &
-wait $!
-stamp "agent tests done"
 echo "---- agent tests (.venv-agents) ----"
-cat "$agents_log"
-arc=$(cat "$agents_rc_file")
-arc=${arc:-1}  # no status written: the agent part did not finish
-[ "$arc" != 0 ] && [ $rc -eq 0 ] && rc=$arc
+( agents ) &
+wait $! || { r=$?; [ $rc -eq 0 ] && rc=$r; }
+stamp "agent tests done"
 
 ( exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=10 \
     ${junit_quiet[@]+"${junit_quiet[@]}"} -m quiet --ignore=tests/agents tests ) &

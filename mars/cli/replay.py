@@ -67,14 +67,9 @@ def build_trace(args: argparse.Namespace) -> Trace:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    early = getattr(args, "early_interrupt", None)
-    if early is not None:  # `mars replay`: held (and restored) by mars.cli.main
-        return _cmd_replay(args, early)
-    with EarlyInterrupt("mars replay") as early:
-        return _cmd_replay(args, early)
-
-
-def _cmd_replay(args: argparse.Namespace, early: EarlyInterrupt) -> int:
+    # a Ctrl-C since the command started, held (and restored) by mars.cli.main: the replay
+    # stops on it the graceful way once started
+    early: EarlyInterrupt = args.early_interrupt
     try:
         trace = build_trace(args)
     except (TraceError, ValueError) as e:

@@ -86,11 +86,6 @@ class EngineLoad:
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
     @property
-    def window_room(self) -> int | None:
-        """Sessions the window still admits; ``None`` where the engine has no window."""
-        return max(0, self.window - self.sessions) if self.window > 0 else None
-
-    @property
     def wait_line(self) -> float:
         """How far back in its engine's queue a new session would wait, in windows: the
         sessions already waiting for a slot, plus itself, over the slots that free as
@@ -164,7 +159,7 @@ class MarsPlacer(Placer):
         room = e.free_blocks - e.committed_blocks if e.has_kv_stats else need
         shortfall_tokens = max(0, need - max(0, room)) * e.block_size
         work = e.queued_prefill_tokens + uncached + shortfall_tokens
-        return work / max(e.prefill_tokens_per_s, 1e-9)
+        return work / e.prefill_tokens_per_s
 
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
         def key(e: EngineLoad) -> tuple:
