@@ -34,11 +34,17 @@ class DeviceClock:
             try:
                 return self._graphed(fn, warmup, repeats)
             except (RuntimeError, NotImplementedError):
-                # a failed capture can leave its stream current: restore the default one,
-                # and launch eagerly from now on rather than retrying capture at every point
+                # a failed capture can leave its stream current: restore the default one
                 t = self.torch.cuda
                 t.synchronize()
                 t.set_stream(t.default_stream(self.device))
+                # an operation that cannot run at all (an attention backend without a
+                # kernel for the point) fails eagerly too: that is the caller's error, and
+                # capture stays on for everything after it. Only where the eager call runs
+                # was capture the problem: launch eagerly from now on rather than retrying
+                # capture at every point. (The run of 2026-11-28 lost graphs for all of
+                # attention and the LM head to the first backend that had no kernel.)
+                fn(0)
                 self.graphs = False
         for i in range(warmup):
             fn(i)

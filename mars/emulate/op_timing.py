@@ -245,6 +245,7 @@ class OpTimer:
             kvs = [(k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
                    for k, v in kvs]
         best: float | None = None
+        best_graphed = False
         why = "no attention kernel ran"
         for name, ctx in self._attention_backends():
             try:
@@ -254,15 +255,18 @@ class OpTimer:
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 continue
             if best is None or t < best:
-                best, self.last_kernel = t, name
+                best, self.last_kernel, best_graphed = t, name, self.clock.graphed
         if new > 1 and context > 0 and requests == 1 \
                 and kv_bytes * rep <= MAX_EXPANDED_KV_BYTES:
             try:
                 t = self._split_attention(q, kvs, context, rep if gqa else 1)
                 if best is None or t < best:
-                    best, self.last_kernel = t, "split"
+                    best, self.last_kernel, best_graphed = t, "split", self.clock.graphed
             except (RuntimeError, NotImplementedError, TypeError) as exc:
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        # the record's ``graph`` is the kept kernel's, not the last one tried (the run of
+        # 2026-11-28 recorded the last backend's, which had no kernel for most points)
+        self.clock.graphed = best_graphed
         self._free()
         return (best if best is not None else why), gqa
 

@@ -147,5 +147,54 @@ def report(src: str | Path) -> str:
     return "\n".join(rows)
 
 
+#: timing folder -> the packaged GPU its tables are checked against
+FOLDER_GPU = {"h100-sxm": "h100", "h200": "h200"}
+
+
+def run_report(src: str | Path) -> str:
+    """A later timing run (the layout of ``tests/data/gpu-timings/2026-11-28``: one folder per
+    card, ``dense*-<model>.json`` files) against the shipped tables: the error per operator
+    class, then each whole-layer timing against the sum of the operators the tables price."""
+    from mars.emulate.measured import shipped_tables
+
+    root = Path(src)
+    errs = ["| GPU | run | model | operator | points | mean / worst | worst at |",
+            "|---|---|---|---|---:|---:|---|"]
+    lay = ["| GPU | run | model | layer (requests x new, context) | layer | operators "
+           "(tables) | layer / operators | left per token and layer |",
+           "|---|---|---|---|---:|---:|---:|---:|"]
+    for folder, gpu in FOLDER_GPU.items():
+        for path in sorted((root / folder).glob("dense*.json")):
+            doc, timings = load(path)
+            model = doc["model"]
+            tables = shipped_tables(gpu, model)
+            if tables is None:
+                continue
+            run = path.name[: -len(f"-{model}.json")]
+            for op, e in errors(tables, timings).items():
+                errs.append(f"| {gpu} | {run} | {model} | {op} | {e.points} | "
+                            f"{e.mean:.1%} / {e.worst:.1%} | {e.worst_at} |")
+            for r in layer_sums(tables, [t for t in timings if t.op == "layer"]):
+                lay.append(f"| {gpu} | {run} | {model} | {r['requests']} x {r['new']}, "
+                           f"{r['context']} | {r['layer_s'] * 1e3:.3f} ms | "
+                           f"{r['operators_s'] * 1e3:.3f} ms | "
+                           f"{r['layer_s'] / r['operators_s']:.2f} | "
+                           f"{r['unpriced_per_token_s'] * 1e9:,.0f} ns |")
+    return "\n".join(errs) + "\n\n" + "\n".join(lay)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``table_check [FOLDER]``: the three checks of the shipped tables on the timings they
+    were packed from; ``table_check --run FOLDER``: a later run against them."""
+    if argv[:1] == ["--run"]:
+        if len(argv) != 2:
+            print("usage: python -m mars.emulate.table_check --run FOLDER", file=sys.stderr)
+            return 2
+        print(run_report(argv[1]))
+        return 0
+    print(report(argv[0] if argv else "../shared/gpu-timings"))
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(report(sys.argv[1] if len(sys.argv) > 1 else "../shared/gpu-timings"))
+    sys.exit(main(sys.argv[1:]))
