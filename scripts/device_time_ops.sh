@@ -2,9 +2,9 @@
 # Times both shipped models' operators at their real shapes on a lent GPU (PyTorch only; no
 # vLLM there) over the dense grid the shipped tables use, every attention kernel PyTorch has
 # (the fastest kept, and recorded), the device peaks launched eagerly, and whole decoder
-# layers (the check of the operators' sum); leaves the timings in $OUT. Took 48-68 s per
-# model on an H200 and 52-57 s on an H100 (2026-11-28; each model is capped at 140 s), the
-# whole script 115-141 s. One call of the device tool, e.g.
+# layers (the check of the operators' sum); leaves the timings in $OUT. Took 43-68 s per
+# model on an H200 or H100 (2026-11-28; each model is capped at 140 s), the whole script
+# 115-141 s. One call of the device tool, e.g.
 #   run(command="bash scripts/device_time_ops.sh", timeout_s=420)
 # then pack them (scripts/pack_gpu_tables.py) or fit the roofline to them:
 # then, on any machine: mars emulate fit-ops dense-qwen3-coder-30b-a3b.json (the GPU profile

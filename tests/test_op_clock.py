@@ -81,7 +81,8 @@ def test_an_operation_that_cannot_run_leaves_capture_on_for_the_next_one():
 
     with pytest.raises(RuntimeError, match="No available kernel"):
         clock.per_call(no_kernel, warmup=1, repeats=4)
-    assert clock.graphs, "a backend without a kernel turned CUDA graphs off"
+    assert clock.graphs and clock.fallback is None, \
+        "a backend without a kernel turned CUDA graphs off"
     assert cuda.stream_resets == 1  # the failed capture's stream was put back
 
     clock.per_call(lambda _i: None, warmup=1, repeats=4)
@@ -97,8 +98,10 @@ def test_an_operation_only_capture_breaks_is_launched_eagerly_from_then_on():
             raise RuntimeError("operation not permitted when stream is capturing")
         eager_calls.append(i)
 
+    assert clock.fallback is None
     t = clock.per_call(uncapturable, warmup=1, repeats=4)
     assert not clock.graphed and not clock.graphs
+    assert "stream is capturing" in clock.fallback  # said in the timings file
     assert t == pytest.approx(1e-3 / 4)  # the eager events' 1 ms over 4 calls
     assert eager_calls  # timed eagerly, not given up on
     clock.per_call(lambda _i: None, warmup=1, repeats=4)

@@ -120,6 +120,7 @@ def test_op_timing_on_this_cpu_times_every_operator_and_the_fit_reads_it(tmp_pat
     ops = {r["op"] for r in data["records"]}
     assert ops == {"projections", "moe", "attention", "logits", "layer"}
     assert data["peaks"]["eager"] is True  # peaks never under graph capture
+    assert data["graphs_fell_back"] is None  # no capture on a CPU, so none given up
     # every attention point records the kernel kept; a chunk over a cache also tried the
     # flash split (cache + chunk merged by log-sum-exp), on this CPU too
     kernels = {(r["new"], r["context"]): r["kernel"] for r in data["records"]

@@ -22,6 +22,9 @@ class DeviceClock:
         self.graphs = graphs and self.cuda
         #: whether the last timing ran as a CUDA graph
         self.graphed = False
+        #: why capture was given up for the rest of the run (None: it never was); recorded
+        #: in the timings file, so a run that fell back to eager launches says so
+        self.fallback: str | None = None
 
     #: timed passes per point; the median is kept (clocks ramp, neighbours interfere)
     PASSES = 3
@@ -33,7 +36,7 @@ class DeviceClock:
         if self.graphs:
             try:
                 return self._graphed(fn, warmup, repeats)
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError) as exc:
                 # a failed capture can leave its stream current: restore the default one
                 t = self.torch.cuda
                 t.synchronize()
@@ -46,6 +49,8 @@ class DeviceClock:
                 # attention and the LM head to the first backend that had no kernel.)
                 fn(0)
                 self.graphs = False
+                self.fallback = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
+                    if str(exc) else type(exc).__name__
         for i in range(warmup):
             fn(i)
         return self._median(lambda: self._eager(fn, repeats)) / repeats

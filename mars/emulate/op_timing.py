@@ -475,7 +475,9 @@ class OpTimer:
                     "dtype_bytes": DTYPE_BYTES[self.dtype_name], "moe_impl": self.moe_impl,
                     "peaks": peaks, "grid": asdict(g), "records": records,
                     "skipped_attention": skipped, "complete": complete,
-                    "fa3_speedup_published": list(FA3_SPEEDUP)}
+                    "fa3_speedup_published": list(FA3_SPEEDUP),
+                    # capture given up mid-run: every record after it is eager (its ``graph``)
+                    "graphs_fell_back": self.clock.fallback}
 
         def saved() -> None:
             if checkpoint is not None:

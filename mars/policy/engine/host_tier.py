@@ -28,7 +28,8 @@ distribution ``D`` of the tool (conditioned on the ``e`` seconds it has already 
   started waits ``r``, and the read-back blocks are held from ``s`` until the return
   (``p B E[(D - s)+]``). ``s`` is chosen over the tool's own duration quantiles (less ``r``)
   and "at the return", so it follows the distribution, not a constant. Host memory that
-  cannot hold the blocks rules the place out.
+  cannot hold the blocks rules the place out, and so does a write that no return outlasts
+  (the blocks would never leave the GPU: that is a pin, and the two-place rule prices pins).
 
 The cheapest wins; ties go to the two-place answer, so with no host tier (or no link) the
 rule *is* the two-place rule -- three places can only add an option, never change what the
@@ -47,8 +48,8 @@ from mars.policy.engine.retention import CostBenefitRetention
 #: quantiles of the exponential prior used as its samples (memoryless: the same at any
 #: elapsed time, shifted)
 _PRIOR_POINTS = 64
-#: at most this many quantiles of the observed durations are priced (a decision per tool call
-#: stays well under a millisecond)
+#: at most this many quantiles of the observed durations are priced: the read-back search is
+#: O(points^2), about a millisecond per decision in Python at 64
 _MAX_POINTS = 64
 
 
@@ -80,7 +81,9 @@ class HostLink:
 
 @dataclass(slots=True)
 class HostPool:
-    """The host tier as the adapter sees it when it asks."""
+    """The host tier as the adapter sees it when it asks: ``used_bytes`` excludes the
+    candidate's own blocks (it is asked about blocks still on the GPU, as :class:`KvPressure`
+    describes the pool with them held)."""
 
     capacity_bytes: int
     used_bytes: int = 0
@@ -96,6 +99,8 @@ class HostPool:
 
 
 class Place(str, enum.Enum):
+    """Where a paused session's KV is (a ``str`` enum: its value is what logs and events say)."""
+
     PINNED = "pinned"
     HOST = "host"
     DROPPED = "dropped"
@@ -110,7 +115,8 @@ class Placement:
     pin_s: float = 0.0
     #: HOST: seconds from now to start the read-back (``math.inf``: when the round arrives)
     read_in_s: float = math.inf
-    #: expected cost of each option considered, seconds
+    #: expected cost of each option considered, seconds, keyed by the place's value (as logs
+    #: and events carry it)
     costs: dict[str, float] = field(default_factory=dict)
 
 
@@ -137,7 +143,9 @@ class ThreePlaceRetention:
             return [-mean * math.log(1 - (i + 0.5) / _PRIOR_POINTS)
                     for i in range(_PRIOR_POINTS)]
         s = dm.sorted_samples(tool if src == "tool" else None)
-        left = [d - elapsed for d in s if d > elapsed]
+        # at admission every sample counts (a 0 s tool returns at once); later, the peers
+        # still running
+        left = [d - elapsed for d in s if d > elapsed or elapsed == 0.0]
         # a tool that has outlived every peer: no knowledge of when it returns; the two-place
         # rule answers 0 here (do not bet memory on it), and so must the host's read-back
         if len(left) > _MAX_POINTS:  # evenly spaced quantiles: the choice is O(points^2)
@@ -150,7 +158,8 @@ class ThreePlaceRetention:
     def host_cost(self, nbytes: float, blocks: int, price: float, left: list[float],
                   backlog_s: float = 0.0) -> tuple[float, float]:
         """(expected cost, read-back start from now) of parking ``nbytes`` on the host."""
-        assert self.link is not None
+        if self.link is None:
+            raise ValueError("no host link: the host place is not available")
         w = backlog_s + self.link.write_s(nbytes)
         r = self.link.read_s(nbytes)
         n = len(left)
@@ -178,6 +187,8 @@ class ThreePlaceRetention:
 
     def pin_cost(self, tau: float, recompute_s: float, blocks: int, price: float,
                  left: list[float]) -> float:
+        """The expected cost of a pin of ``tau`` s: recompute when the tool outlasts it, and the
+        memory's price while it is held (until the return or ``tau``)."""
         if not left:
             return recompute_s
         n = len(left)
@@ -185,18 +196,33 @@ class ThreePlaceRetention:
         return lapse * recompute_s + price * blocks * sum(min(d, tau) for d in left) / n
 
     # ------------------------------------------------------------------ the choice
-    def place(self, cand: PinCandidate, kv: KvPressure, host: HostPool | None,
+    def admit(self, cand: PinCandidate, kv: KvPressure, host: HostPool | None,
               now: float) -> Placement:
-        """Where ``cand``'s blocks should be from now on. ``kv`` is the pool with the
-        candidate's blocks held (the two-place rule's contract). At admission (``now`` the
-        candidate's start) this also records the two-place pin, as ``admit`` does."""
+        """Where ``cand``'s blocks go when its round ends (``kv``: the pool with them held,
+        the two-place rule's contract). Records the two-place pin as its ``admit`` does, and
+        forgets it when the host wins."""
+        tau = self.two_place.admit(cand, kv, now)
+        return self._choose(cand, kv, host, now, tau)
+
+    def reconsider(self, cand: PinCandidate, kv: KvPressure, host: HostPool | None,
+                   now: float) -> Placement:
+        """While the tool runs, for blocks still on the GPU (pinned, or never placed): the same
+        choice from what is left of the tool, the pin's remaining horizon as the two-place
+        ``keep`` judges it (no recorded pin: none to keep). A session already parked on the
+        host is not asked again: its read-back time was set when it was parked."""
+        two = self.two_place
+        tau = two.tau_of(cand.session_id)
+        if tau is None:
+            tau = 0.0
+        else:
+            tau = max(0.0, tau - max(0.0, now - cand.started)) \
+                if two.keep(cand, kv, now) else 0.0
+        return self._choose(cand, kv, host, now, tau)
+
+    def _choose(self, cand: PinCandidate, kv: KvPressure, host: HostPool | None, now: float,
+                tau: float) -> Placement:
         two = self.two_place
         elapsed = max(0.0, now - cand.started)
-        if elapsed == 0.0:
-            tau = two.admit(cand, kv, now)
-        else:
-            tau = two.tau_of(cand.session_id) or 0.0
-            tau = max(0.0, tau - elapsed) if two.keep(cand, kv, now) else 0.0
         recompute = two.prefill.recompute_s(cand.context_tokens)
         costs = {Place.DROPPED.value: recompute}
         if cand.blocks <= 0:
@@ -210,6 +236,9 @@ class ThreePlaceRetention:
         nbytes = cand.blocks * self.block_bytes
         if self.link is None or host is None or not left or not host.fits(nbytes):
             return choice
+        w = host.link_backlog_s + self.link.write_s(nbytes)
+        if max(left) < w:
+            return choice  # every return beats the write: the blocks would never leave
         hc, read_in = self.host_cost(nbytes, cand.blocks, price, left, host.link_backlog_s)
         costs[Place.HOST.value] = hc
         if hc < min(costs.get(Place.PINNED.value, math.inf), recompute) - 1e-9:
