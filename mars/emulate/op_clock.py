@@ -11,6 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 
+def error_line(exc: BaseException) -> str:
+    """An exception as one line for a timings file: its type and the first line of its text
+    (PyTorch's errors run to many lines of C++ context)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text.strip() \
+        else type(exc).__name__
+
+
 class DeviceClock:
     """Seconds per call of ``fn``: on CUDA, device events around the calls replayed as one
     CUDA graph (vLLM runs decode steps as graphs, so the host's launch gaps are not the
@@ -49,8 +57,7 @@ class DeviceClock:
                 # attention and the LM head to the first backend that had no kernel.)
                 fn(0)
                 self.graphs = False
-                self.fallback = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
-                    if str(exc) else type(exc).__name__
+                self.fallback = error_line(exc)
         for i in range(warmup):
             fn(i)
         return self._median(lambda: self._eager(fn, repeats)) / repeats

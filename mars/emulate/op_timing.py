@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mars.emulate.op_clock import DeviceClock
+from mars.emulate.op_clock import DeviceClock, error_line
 from mars.emulate.op_grid import (
     CACHE_MULTIPLE,
     DEFAULT_CACHE,
@@ -252,7 +252,7 @@ class OpTimer:
                 with ctx:
                     t = self._time(lambda i: call(i, gqa and rep > 1), n)
             except (RuntimeError, NotImplementedError) as exc:  # OOM, no kernel for it
-                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                why = error_line(exc)
                 continue
             if best is None or t < best:
                 best, self.last_kernel, best_graphed = t, name, self.clock.graphed
@@ -263,7 +263,7 @@ class OpTimer:
                 if best is None or t < best:
                     best, self.last_kernel, best_graphed = t, "split", self.clock.graphed
             except (RuntimeError, NotImplementedError, TypeError) as exc:
-                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                why = error_line(exc)
         # the record's ``graph`` is the kept kernel's, not the last one tried (the run of
         # 2026-11-28 recorded the last backend's, which had no kernel for most points)
         self.clock.graphed = best_graphed

@@ -107,6 +107,10 @@ def load(path: str | Path) -> tuple[dict, list[Timing]]:
     return doc, read_timings(doc)
 
 
+#: timing folder -> the packaged GPU its tables are checked against
+FOLDER_GPU = {"h100-sxm": "h100", "h200": "h200"}
+
+
 def report(src: str | Path) -> str:
     """The three checks per GPU x model of the timing folder ``src`` (the layout of
     ``shared/gpu-timings``), as markdown."""
@@ -116,7 +120,7 @@ def report(src: str | Path) -> str:
     rows = ["| GPU | model | operator | points | at own points: mean / worst | held out "
             "(every other point): mean / worst | repeat run: mean / worst | noise floor "
             "(run vs repeat): mean |", "|---|---|---|---:|---:|---:|---:|---:|"]
-    for gpu, folder in (("h100", "h100-sxm"), ("h200", "h200")):
+    for folder, gpu in FOLDER_GPU.items():
         for model in ("qwen3-coder-30b-a3b", "gpt-oss-120b"):
             tables = shipped_tables(gpu, model)
             if tables is None:
@@ -145,10 +149,6 @@ def report(src: str | Path) -> str:
                     + (f"{r.mean:.1%} / {r.worst:.1%}" if r else "–") + " | "
                     + (f"{noise[op]:.1%}" if op in noise else "–") + " |")
     return "\n".join(rows)
-
-
-#: timing folder -> the packaged GPU its tables are checked against
-FOLDER_GPU = {"h100-sxm": "h100", "h200": "h200"}
 
 
 def run_report(src: str | Path) -> str:
