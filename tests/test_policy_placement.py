@@ -266,3 +266,46 @@ def test_an_ended_session_is_forgotten_and_no_engine_is_an_error():
     r.end("never-seen")  # harmless
     with pytest.raises(NoEngineError):
         r.route(Call("b", 10), [eng(0, alive=False)])
+
+
+def test_the_tracker_folds_one_engines_events_into_its_load():
+    from mars.policy.control.placement import EngineTracker
+
+    t = EngineTracker(rank=1)
+    t.observe({"kind": "scheduler_start", "block_size": 32, "total_blocks": 100})
+    t.observe({"kind": "kv_snapshot", "total_blocks": 100, "free_blocks": 60,
+               "used_blocks": 40, "pinned_blocks": 10, "running": 2, "waiting": 3})
+    t.observe({"kind": "gpu_submit", "request_id": "r1", "session_id": "s", "prompt_tokens": 500})
+    t.observe({"kind": "gpu_submit", "request_id": "r2", "session_id": "u", "prompt_tokens": 300})
+    assert t.queued_prefill_tokens == 800
+    t.observe({"kind": "gpu_1st_token", "request_id": "r1", "cached_tokens": 0})
+    assert t.queued_prefill_tokens == 300  # r1's prefill is done, r2's is not
+    t.observe({"kind": "gpu_end", "request_id": "r2", "freed_blocks": 0})  # aborted early
+    assert t.queued_prefill_tokens == 0
+    t.observe({"kind": "gpu_end", "request_id": "r1", "freed_blocks": 16, "output_tokens": 20})
+    assert t.cached_tokens("s") == 520 and t.cached_tokens("u") == 300
+    load = t.load(sessions=2, window=4, committed_blocks=-5, inflight=1)
+    assert (load.rank, load.block_size, load.total_blocks, load.free_blocks) == (1, 32, 100, 60)
+    assert (load.pinned_blocks, load.running, load.waiting) == (10, 2, 3)
+    assert load.committed_blocks == 0 and load.sessions == 2 and load.window == 4
+    t.forget("s")
+    assert t.cached_tokens("s") == 0
+    # a resubmitted request (preempted and back) is counted once
+    t.observe({"kind": "gpu_submit", "request_id": "r3", "prompt_tokens": 100})
+    t.observe({"kind": "gpu_submit", "request_id": "r3", "prompt_tokens": 100})
+    assert t.queued_prefill_tokens == 100
+
+
+def test_a_session_placed_by_the_tracker_goes_where_its_context_is_cached():
+    from mars.policy.control.placement import Call, EngineTracker, MarsPlacer
+
+    a, b = EngineTracker(0), EngineTracker(1)
+    for t in (a, b):
+        t.observe({"kind": "scheduler_start", "block_size": 16, "total_blocks": 1000})
+        t.observe({"kind": "kv_snapshot", "total_blocks": 1000, "free_blocks": 900,
+                   "used_blocks": 100})
+    b.observe({"kind": "gpu_submit", "request_id": "x", "session_id": "s", "prompt_tokens": 4000})
+    b.observe({"kind": "gpu_1st_token", "request_id": "x"})
+    b.observe({"kind": "gpu_end", "request_id": "x", "freed_blocks": 0, "output_tokens": 100})
+    call = Call("s", 4200, {0: a.cached_tokens("s"), 1: b.cached_tokens("s")})
+    assert MarsPlacer().choose(call, [a.load(), b.load()]) == 1

@@ -2,6 +2,7 @@
 
     mars sidecar --upstream http://127.0.0.1:8001 --port 8000 [--admission on|off]
                  [--events-file F] [--engine-events ENDPOINT|none] ...
+    mars sidecar --upstream URL1,URL2,... [--placement mars]   (several engines, one model)
 
 ``mars-vllm serve`` starts this by default on the public port, as ``python -m
 mars.cli.sidecar`` (see ``--no-sidecar``).
@@ -14,6 +15,7 @@ import os
 import sys
 
 from mars.policy.control.admission import AdmissionConfig
+from mars.policy.control.placement import PLACERS
 from mars.sidecar.auth import EVENTS_KEYS_ENV, KEYS_ENV
 from mars.sidecar.config import (
     SidecarConfig,
@@ -34,8 +36,11 @@ def _on_off(v: str) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = SidecarConfig()
-    p.add_argument("--upstream", required=True,
-                   help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8001")
+    p.add_argument("--upstream", required=True, metavar="URL[,URL...]",
+                   help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8001; "
+                        "several, comma-separated: engines of one model, one server each "
+                        "(`mars-vllm serve --no-sidecar`), each session placed on one of them "
+                        "(--placement)")
     p.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on (default: %(default)s)")
     p.add_argument("--admission", type=_on_off, default=True, metavar="on|off",
@@ -43,9 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(sessions, events and metrics still work) (default: on)")
     p.add_argument("--events-file", default=None,
                    help="append the merged event stream to this JSONL file")
-    p.add_argument("--engine-events", default=None, metavar="ENDPOINT",
-                   help="ZMQ endpoint of the engine's event publisher ('none' to disable; "
-                        "default: the one `mars-vllm serve --port <upstream port>` binds)")
+    p.add_argument("--engine-events", default=None, metavar="ENDPOINT[,ENDPOINT...]",
+                   help="ZMQ endpoint of the engine's event publisher, one per upstream "
+                        "('none' to disable; default: the one `mars-vllm serve --port "
+                        "<upstream port>` binds, for each upstream)")
+    p.add_argument("--placement", default="mars", choices=sorted(PLACERS),
+                   help="with several upstreams, which engine a new session goes to: mars "
+                        "(least prefill work and recompute, sessions stay), vllm_dp (vLLM's "
+                        "DP balancer, per call), round_robin, session_hash, kv_overlap "
+                        "(Dynamo's cost, per call) (default: %(default)s)")
     g = p.add_argument_group("admission")
     g.add_argument("--max-queue", type=int, default=None,
                    help="sessions that may wait; beyond that 429 (default: 1024)")
@@ -125,15 +136,29 @@ def _env_keys(*names: str) -> tuple[str, ...]:
     return ()
 
 
+def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The upstream URLs and their event endpoints, position for position."""
+    urls = tuple(u.strip() for u in args.upstream.split(","))
+    if not all(urls):
+        raise ValueError(f"--upstream {args.upstream!r} has an empty entry")
+    events = args.engine_events
+    if events is None:
+        return urls, tuple(engine_events_for(u) for u in urls)
+    if events.strip().lower() in ("none", "off", ""):
+        return urls, ("",) * len(urls)
+    eps = tuple(e.strip() for e in events.split(","))
+    if len(eps) != len(urls):
+        raise ValueError(f"--engine-events names {len(eps)} endpoint(s) for {len(urls)} "
+                         "upstream(s): give one per upstream, in the same order")
+    return urls, tuple("" if e.lower() in ("none", "off") else e for e in eps)
+
+
 def config_from_args(args: argparse.Namespace) -> SidecarConfig:
-    engine = args.engine_events
-    if engine is None:
-        engine = engine_events_for(args.upstream)
-    elif engine.lower() in ("none", "off", ""):
-        engine = ""
+    urls, events = _upstreams(args)
     return SidecarConfig(
-        upstream=args.upstream, host=args.host, port=args.port, admission=args.admission,
-        admission_config=admission_config_from_args(args), engine_events=engine,
+        upstream=urls[0], upstreams=urls, engines_events=events, placement=args.placement,
+        host=args.host, port=args.port, admission=args.admission,
+        admission_config=admission_config_from_args(args), engine_events=events[0],
         events_file=args.events_file, admission_timeout_s=args.admission_timeout,
         idle_timeout_s=args.idle_timeout, step_interval_s=args.step_interval,
         upstream_client=args.upstream_client,

@@ -207,7 +207,11 @@ class SessionAdmit(_Base):
 class SessionEnd(_Base):
     kind: Literal["session_end"]
     session_id: Name
-    reason: Literal["last_round", "deleted", "idle", "one_shot", "disconnect", "error"]
+    #: "moved" / "switched": the session left this engine for another of the sidecar's
+    #: engines (its own was down / a per-call placement sent it away); the event carries
+    #: ``engine``, and the session goes on there
+    reason: Literal["last_round", "deleted", "idle", "one_shot", "disconnect", "error", "moved",
+                    "switched"]
 
 
 class RequestStart(_Base):

@@ -57,7 +57,8 @@ from mars.sidecar.hub import EventHub
 from mars.sidecar.metrics import SidecarMetrics
 from mars.sidecar.proxy import (DisconnectWatch, GuardedStreamingResponse, RelayResponse,
                                 buffered, is_event_stream, request_headers)
-from mars.sidecar.upstream import UpstreamUnavailable, make_upstream
+from mars.sidecar.engines import EngineSet, NoEngineError
+from mars.sidecar.upstream import UpstreamUnavailable
 from mars.sidecar.body_parser import BodyParser, BodyTooComplex, ParserUnavailable
 from mars.sidecar.request import BadRequest
 
@@ -79,14 +80,12 @@ class Sidecar:
         self.config = config
         self.metrics = SidecarMetrics()
         self.hub = EventHub(self.metrics, config.events_file, config.sse_queue)
-        self.control = ControlPlane(config, self.hub.publish, self.metrics)
-        self.hub.add_observer(self.control.observe)
+        self.engines = EngineSet(config, self.hub.publish, self.metrics)
+        # the first engine's parts (the only one's, in the common case)
+        self.control: ControlPlane = self.engines[0].control
+        self.upstream = self.engines[0].upstream
+        self.hub.add_observer(self.engines.observe)
         self.hub.add_observer(self.metrics.stream.observe)
-        self.upstream = make_upstream(config.upstream_client, config.upstream,
-                                      connect_timeout_s=config.connect_timeout_s,
-                                      read_timeout_s=config.read_timeout_s,
-                                      max_connections=config.max_connections)
-        self.reader: EngineEventReader | None = None
         self.parser = BodyParser(config.offload_parse_bytes, config.max_body_bytes,
                                  on_restart=self.metrics.body_parser_restarts.inc)
         self._tasks: list[asyncio.Task] = []
@@ -98,13 +97,14 @@ class Sidecar:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.config.engine_events:
-            self.reader = EngineEventReader(
-                self.config.engine_events, partial(self.hub.publish_many, source="engine"),
-                loop, on_malformed=self.metrics.engine_events_malformed.inc)
-            self.reader.start()
+        self.engines.start(loop, self.hub.publish_many, self.metrics.engine_events_malformed.inc)
         self._tasks = [loop.create_task(self.control.run_timer(self._tick)),
                        loop.create_task(self._flusher())]
+        self._tasks += [loop.create_task(e.control.run_timer()) for e in self.engines.engines[1:]]
+
+    @property
+    def reader(self) -> EngineEventReader | None:
+        return self.engines[0].reader
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -112,11 +112,9 @@ class Sidecar:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        if self.reader is not None:
-            self.reader.stop()
+        await self.engines.stop()
         self.hub.close()
         await self.parser.aclose()
-        await self.upstream.aclose()
 
     async def _flusher(self) -> None:
         while True:
@@ -137,8 +135,8 @@ class Sidecar:
         self.metrics.request(route, resp.status_code)
         return resp
 
-    def _request_done(self, session: Session, rid: str, t0: float, status: int,
-                      outcome: str) -> None:
+    def _request_done(self, control: ControlPlane, session: Session, rid: str, t0: float,
+                      status: int, outcome: str) -> None:
         dt = time.perf_counter() - t0
         self.metrics.request_seconds.observe(dt)
         if outcome == "disconnect":
@@ -148,7 +146,7 @@ class Sidecar:
             status = 503
         self.hub.publish(make_event("request_end", session_id=session.id, request_id=rid,
                                     status=status, duration_s=dt), "control")
-        self.control.finish(session, outcome)
+        control.finish(session, outcome)
 
     async def read_body(self, request: Request) -> bytes | Response:
         """The request body, or a 413 once it exceeds ``max_body_bytes`` (checked against the
@@ -191,38 +189,62 @@ class Sidecar:
                                                     retry_after=self.config.retry_after_s))
         cfg = self.config
         one_shot = info.session_id is None
-        sid = info.session_id if not one_shot else self.control.oneshot_id()
+        sid = info.session_id if not one_shot else self.engines[0].control.oneshot_id()
         watch = DisconnectWatch(request.receive)
         session: Session | None = None
+        control = self.control
         rid, outcome, status, handed_over = "", "error", 503, False
         try:
+            for attempt in range(len(self.engines)):
+                try:
+                    eng, _ = self.engines.place(sid, lambda: info.prompt_tokens)
+                except NoEngineError as exc:
+                    return self._answer(route, openai_error(
+                        503, f"{exc}: every engine behind the sidecar is down",
+                        retry_after=cfg.retry_after_s))
+                control = eng.control
+                try:
+                    session = await control.acquire(
+                        sid, one_shot=one_shot, last_round=info.last_round,
+                        prompt_tokens=lambda: info.prompt_tokens)
+                except QueueFull as exc:
+                    self.metrics.queue_full.inc()
+                    return self._answer(route, openai_error(
+                        429, f"{exc}: retry later", retry_after=cfg.retry_after_s))
+                except AdmissionTimeout as exc:
+                    return self._answer(route, openai_error(
+                        503, str(exc), type_="admission_timeout", retry_after=cfg.retry_after_s))
+                except SessionClosed as exc:
+                    return self._answer(route, openai_error(409, str(exc)))
+                rid = self._rid_prefix + str(next(self._rid))
+                self.hub.publish(make_event("request_start", session_id=sid, request_id=rid,
+                                            round=info.round), "control")
+                try:
+                    resp = await eng.upstream.open("POST", route, scope["query_string"],
+                                                   request_headers(scope["headers"]), info.body)
+                except UpstreamUnavailable as exc:
+                    self.metrics.upstream_errors.inc()
+                    self.engines.down(eng)
+                    if attempt + 1 < len(self.engines) and self.engines.any_alive():
+                        # nothing reached the client: the call leaves this engine, its
+                        # session with it, and is placed again
+                        control.end(session, "moved")
+                        self._request_done(control, session, rid, t0, 503, "error")
+                        session = None
+                        continue
+                    status = 503
+                    return self._answer(route, openai_error(503, str(exc),
+                                                            retry_after=cfg.retry_after_s))
+                break
             try:
-                session = await self.control.acquire(
-                    sid, one_shot=one_shot, last_round=info.last_round,
-                    prompt_tokens=lambda: info.prompt_tokens)
-            except QueueFull as exc:
-                self.metrics.queue_full.inc()
-                return self._answer(route, openai_error(
-                    429, f"{exc}: retry later", retry_after=cfg.retry_after_s))
-            except AdmissionTimeout as exc:
-                return self._answer(route, openai_error(
-                    503, str(exc), type_="admission_timeout", retry_after=cfg.retry_after_s))
-            except SessionClosed as exc:
-                return self._answer(route, openai_error(409, str(exc)))
-            rid = self._rid_prefix + str(next(self._rid))
-            self.hub.publish(make_event("request_start", session_id=sid, request_id=rid,
-                                        round=info.round), "control")
-            try:
-                resp = await self.upstream.open("POST", route, scope["query_string"],
-                                                request_headers(scope["headers"]), info.body)
                 status = resp.status_code
                 if is_event_stream(resp):
-                    relay = RelayResponse(self.upstream, resp, partial(
-                        self._stream_done, session, rid, t0, resp.status_code), watch)
+                    relay = RelayResponse(eng.upstream, resp, partial(
+                        self._stream_done, control, session, rid, t0, resp.status_code), watch)
                     # from here on the response owns the watch and the cleanup (exactly once)
                     handed_over = True
                     return self._answer(route, relay)
-                content = await self.upstream.read(resp)
+                content = await eng.upstream.read(resp)
             except UpstreamUnavailable as exc:
                 self.metrics.upstream_errors.inc()
                 status = 503
@@ -242,13 +264,13 @@ class Sidecar:
             if not handed_over:
                 watch.stop()
                 if session is not None:
-                    self._request_done(session, rid, t0, status, outcome)
+                    self._request_done(control, session, rid, t0, status, outcome)
 
-    def _stream_done(self, session: Session, rid: str, t0: float, status: int,
-                     outcome: str) -> None:
+    def _stream_done(self, control: ControlPlane, session: Session, rid: str, t0: float,
+                     status: int, outcome: str) -> None:
         if outcome == "error":
             self.metrics.upstream_errors.inc()
-        self._request_done(session, rid, t0, status, outcome)
+        self._request_done(control, session, rid, t0, status, outcome)
 
     async def forward(self, request: Request) -> Response:
         """Anything else (models, health, tokenize, ...): forwarded as is, no admission."""
@@ -259,15 +281,16 @@ class Sidecar:
             return self._answer(route, body)
         watch = DisconnectWatch(request.receive)
         handed_over = False
+        upstream = self.engines.first_alive().upstream
         try:
             try:
-                resp = await self.upstream.open(scope["method"], scope["path"],
-                                                scope["query_string"],
-                                                request_headers(scope["headers"]), body)
+                resp = await upstream.open(scope["method"], scope["path"],
+                                           scope["query_string"],
+                                           request_headers(scope["headers"]), body)
                 if is_event_stream(resp):
                     handed_over = True
-                    return self._answer(route, RelayResponse(self.upstream, resp, _noop, watch))
-                content = await self.upstream.read(resp)
+                    return self._answer(route, RelayResponse(upstream, resp, _noop, watch))
+                content = await upstream.read(resp)
             except UpstreamUnavailable as exc:
                 self.metrics.upstream_errors.inc()
                 return self._answer(route, openai_error(
@@ -313,7 +336,7 @@ class Sidecar:
         for ev in events:
             d = ev.model_dump()
             if d["kind"] == "session_end":
-                self.control.end_session(d["session_id"], d["reason"])
+                self.end_session(d["session_id"], d["reason"])
             else:
                 self.hub.publish(d, "tool")
         return self._answer("events", JSONResponse({"accepted": len(events)}))
@@ -353,7 +376,19 @@ class Sidecar:
                           "engine_events_received": self.reader.received if self.reader else 0,
                           "events_file": self.config.events_file}
         snap["uptime_s"] = time.time() - self.started_at
+        if self.engines.multi:  # the top level is the first engine's; each engine's here
+            snap["placement"] = self.engines.placement_view()
         return snap
+
+    def end_session(self, sid: str, reason: str) -> bool:
+        eng = self.engines.find_session(sid)
+        return eng is not None and eng.control.end_session(sid, reason)
+
+    def sessions_view(self) -> list[dict[str, Any]]:
+        if not self.engines.multi:
+            return self.control.sessions_view()
+        return [{**s, "engine": e.rank} for e in self.engines.engines
+                for s in e.control.sessions_view()]
 
     async def metrics_text(self) -> Response:
         text = self.metrics.render()
@@ -492,17 +527,19 @@ def create_app(config: SidecarConfig) -> HotPath:
 
     @app.get("/v1/mars/sessions")
     async def sessions() -> Response:
-        return JSONResponse({"sessions": sc.control.sessions_view()})
+        return JSONResponse({"sessions": sc.sessions_view()})
 
     @app.delete("/v1/mars/sessions/{session_id:path}")
     async def end_session(session_id: str) -> Response:
-        if sc.control.end_session(session_id, "deleted"):
+        if sc.end_session(session_id, "deleted"):
             return JSONResponse({"session_id": session_id, "ended": True})
         return openai_error(404, f"no session {session_id!r} at the sidecar")
 
     @app.get("/v1/mars/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok", "upstream_up": sc.upstream.up,
+        up = sc.upstream.up if not sc.engines.multi else \
+            any(e.upstream.up for e in sc.engines.engines)
+        return JSONResponse({"status": "ok", "upstream_up": up,
                              "admission": "on" if sc.control.admission else "off"})
 
     @app.get("/metrics")

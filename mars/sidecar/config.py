@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from mars.policy.control.admission import AdmissionConfig
 from mars.policy.control.packing import PackConfig
+from mars.policy.control.placement import PLACERS
 from mars.policy.control.pressure import PressureConfig
 from mars.policy.control.window import AIMDConfig
 
@@ -33,6 +34,16 @@ def engine_events_for(upstream: str) -> str:
     """
     port = urlsplit(upstream).port or 80
     return f"ipc://{tempfile.gettempdir()}/mars-engine-{port}.ipc"
+
+
+def _base_url(url: str) -> str:
+    """An upstream's base URL: no trailing slash or ``/v1``; http(s) only."""
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"upstream must be an http(s) URL, got {url!r}")
+    return url
 
 
 def read_admission_overrides(text: str) -> dict[str, Any]:
@@ -89,6 +100,13 @@ class SidecarConfig:
     admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
     #: ZMQ endpoint of the engine's event publisher; "" = do not subscribe
     engine_events: str = ""
+    #: several engines of one model, one server each (vLLM's external load-balancing shape):
+    #: their base URLs and, position for position, their event endpoints ("" = none). Empty:
+    #: the one engine above. The first is ``upstream`` / ``engine_events`` then.
+    upstreams: tuple[str, ...] = ()
+    engines_events: tuple[str, ...] = ()
+    #: which engine a new session goes to (mars.policy.control.placement.PLACERS)
+    placement: str = "mars"
     #: append the merged stream (engine + tool + control events) to this JSONL file
     events_file: str | None = None
 
@@ -155,11 +173,23 @@ class SidecarConfig:
     access_log: bool = False
 
     def __post_init__(self) -> None:
-        self.upstream = self.upstream.rstrip("/")
-        if self.upstream.endswith("/v1"):
-            self.upstream = self.upstream[:-3]
-        if not self.upstream.startswith(("http://", "https://")):
-            raise ValueError(f"upstream must be an http(s) URL, got {self.upstream!r}")
+        self.upstreams = tuple(_base_url(u) for u in (self.upstreams or (self.upstream,)))
+        if len(set(self.upstreams)) != len(self.upstreams):
+            raise ValueError(f"an upstream is named twice in {list(self.upstreams)}")
+        events = tuple(self.engines_events) or (self.engine_events,) + ("",) * (
+            len(self.upstreams) - 1)
+        if len(events) != len(self.upstreams):
+            raise ValueError(f"{len(events)} engine event endpoints for "
+                             f"{len(self.upstreams)} upstreams: give one per upstream")
+        named = [e for e in events if e]
+        if len(set(named)) != len(named):
+            raise ValueError("two upstreams cannot share one engine event endpoint: each "
+                             "engine publishes its own")
+        self.engines_events = events
+        self.upstream, self.engine_events = self.upstreams[0], events[0]
+        if self.placement not in PLACERS:
+            raise ValueError(f"unknown placement {self.placement!r}; choose one of "
+                             f"{', '.join(sorted(PLACERS))}")
         for name in ("admission_timeout_s", "idle_timeout_s", "step_interval_s",
                      "window_heartbeat_s", "bytes_per_token", "connect_timeout_s",
                      "flush_interval_s", "sse_keepalive_s"):

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mars.policy.control.admission import QueueFull
+from mars.policy.control.admission import AdmissionConfig, QueueFull
 from mars.policy.control.admission_core import (OBSERVED_KINDS, STEP_KINDS, AdmissionCore,
                                          CoreConfig, Listener, SessionState)
 from mars.sidecar.config import SidecarConfig
@@ -55,13 +55,18 @@ class SessionClosed(Exception):
 
 class ControlPlane:
     def __init__(self, config: SidecarConfig, emit: Callable[[dict[str, Any], str], None],
-                 metrics: SidecarMetrics) -> None:
+                 metrics: SidecarMetrics, *, admission_config: AdmissionConfig | None = None,
+                 on_ended: Callable[[Session, str], None] | None = None) -> None:
+        """``admission_config``: this engine's own (one of several engines: its share of
+        the tool cores); ``on_ended``: told of every session that ends here."""
         self.config = config
         self.admission = config.admission
         self.metrics = metrics
         self._emit = emit
+        self._on_ended_hook = on_ended
         self.core = AdmissionCore(
-            CoreConfig(admission=config.admission, admission_config=config.admission_config,
+            CoreConfig(admission=config.admission,
+                       admission_config=admission_config or config.admission_config,
                        idle_timeout_s=config.idle_timeout_s,
                        window_heartbeat_s=config.window_heartbeat_s),
             Listener(emit=lambda ev: emit(ev, "control"), admitted=self._on_admitted,
@@ -115,6 +120,8 @@ class ControlPlane:
             fut.set_exception(SessionClosed(f"session {s.id!r} ended ({reason}) while queued"))
             fut.exception()  # retrieved: no "never retrieved" warning when nobody waits
         self.metrics.session_ended(reason)
+        if self._on_ended_hook is not None:
+            self._on_ended_hook(s, reason)
         self.kick()
 
     # ------------------------------------------------------------------ requests

@@ -100,6 +100,9 @@ class SidecarMetrics:
                                        "Events an observer of the stream failed on (the "
                                        "control state or the metrics; each is logged)",
                                        registry=r)
+        self.session_moves = Counter(PREFIX + "session_moves",
+                                     "Sessions sent to another engine because theirs was down "
+                                     "(several engines behind one sidecar)", registry=r)
         self.engine_events_malformed = Counter(PREFIX + "engine_events_malformed",
                                                "Engine stream messages that were not JSON",
                                                registry=r)

@@ -340,3 +340,69 @@ class SessionRouter:
 
     def end(self, session_id: str) -> None:
         self._where.pop(session_id, None)
+
+
+class EngineTracker:
+    """One engine's load as its own events show it, folded for :class:`EngineLoad`.
+
+    * the pool and the engine's queue: its latest ``kv_snapshot`` (the block size from its
+      ``scheduler_start``);
+    * the prefill work it has accepted and not started: the prompt tokens of every call from
+      its ``gpu_submit`` until its ``gpu_1st_token`` (or a ``gpu_end`` without one: aborted);
+    * what a session left cached there: the prompt and output of the session's last call
+      that ended on this engine (an upper bound: the engine may have evicted part of it since,
+      which no event says until the next call's ``cached_tokens``).
+
+    Framework-free; the sidecar feeds it one engine's events, the simulator can too."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.block_size = 16  # until the engine's scheduler_start says
+        self.snapshot: dict = {}
+        self._queued: dict[str, int] = {}  # request_id -> prompt tokens before its first token
+        self.queued_prefill_tokens = 0
+        self._prompt: dict[str, tuple[str, int]] = {}  # request_id -> (session, prompt tokens)
+        self._cached: dict[str, int] = {}  # session -> tokens its last call left here
+
+    def observe(self, ev: Mapping) -> None:
+        kind = ev.get("kind")
+        if kind == "kv_snapshot":
+            self.snapshot = dict(ev)
+        elif kind == "scheduler_start":
+            self.block_size = max(1, int(ev.get("block_size") or 1))
+        elif kind == "gpu_submit":
+            rid = str(ev.get("request_id"))
+            n = int(ev.get("prompt_tokens") or 0)
+            self.queued_prefill_tokens += n - self._queued.get(rid, 0)
+            self._queued[rid] = n
+            sid = ev.get("session_id")
+            if sid:
+                self._prompt[rid] = (str(sid), n)
+        elif kind in ("gpu_1st_token", "gpu_end"):
+            rid = str(ev.get("request_id"))
+            self.queued_prefill_tokens -= self._queued.pop(rid, 0)
+            if kind == "gpu_end":
+                got = self._prompt.pop(rid, None)
+                if got is not None:
+                    self._cached[got[0]] = got[1] + int(ev.get("output_tokens") or 0)
+
+    def cached_tokens(self, session_id: str) -> int:
+        return self._cached.get(session_id, 0)
+
+    def forget(self, session_id: str) -> None:
+        """The session is over: its context is no reason to come back here."""
+        self._cached.pop(session_id, None)
+
+    def load(self, *, alive: bool = True, sessions: int = 0, window: int = 0,
+             committed_blocks: int = 0, inflight: int = 0,
+             prefill_tokens_per_s: float = 10_000.0) -> EngineLoad:
+        s = self.snapshot
+        return EngineLoad(
+            rank=self.rank, alive=alive, block_size=self.block_size,
+            total_blocks=int(s.get("total_blocks") or 0),
+            free_blocks=int(s.get("free_blocks") or 0),
+            pinned_blocks=int(s.get("pinned_blocks") or 0),
+            waiting=int(s.get("waiting") or 0), running=int(s.get("running") or 0),
+            inflight=inflight, queued_prefill_tokens=max(0, self.queued_prefill_tokens),
+            sessions=sessions, window=window, committed_blocks=max(0, committed_blocks),
+            prefill_tokens_per_s=prefill_tokens_per_s)

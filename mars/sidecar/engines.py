@@ -1,0 +1,248 @@
+"""The engines behind one sidecar, and which of them serves each session (issue #34).
+
+One engine is the common case and costs nothing here: :class:`EngineSet` then holds a single
+:class:`Engine` and every call goes to it, its events unchanged. With several engines of
+one model (``mars sidecar --upstream URL1,URL2,...``, one ``mars-vllm serve --no-sidecar``
+each: vLLM's external load-balancing shape) each engine has what one engine has alone --
+its own HTTP client, its own control plane (session window, packing room, KV state from its
+own events) and a share of the tool cores -- and the placement policy
+(:mod:`mars.policy.control.placement`) picks the engine of each new session from what each
+engine's events show. A session's later rounds go to the same engine (their KV is there).
+
+An engine that refuses connections is *down*: the call that found it so is sent to another
+engine (nothing reached the client yet), its session moves and the move is counted; the
+engine's other sessions move on their next call. A probe asks a down engine's ``/health``
+every second and brings it back when it answers.
+
+Events: with several engines, each engine event carries ``engine`` (its rank) and goes to
+that engine's control plane; events of a session (tools, request ends) go to the control
+plane of the engine that holds the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from mars.policy.control.placement import (Call, Decision, EngineTracker, NoEngineError,
+                                           SessionRouter, make_placer)
+from mars.sidecar.config import SidecarConfig
+from mars.sidecar.control import ControlPlane, Session
+from mars.sidecar.metrics import SidecarMetrics
+from mars.sidecar.upstream import Upstream, make_upstream
+from mars.stream.engine_reader import EngineEventReader
+
+log = logging.getLogger("mars.sidecar.engines")
+
+#: session_end reasons that mean "on to another engine", not "over"
+LEAVING = frozenset({"moved", "switched"})
+#: seconds between two health probes of a down engine
+PROBE_INTERVAL_S = 1.0
+
+__all__ = ["Engine", "EngineSet", "NoEngineError"]
+
+
+@dataclasses.dataclass(eq=False)
+class Engine:
+    """One engine as the sidecar drives it."""
+
+    rank: int
+    upstream: Upstream
+    control: ControlPlane
+    events: str
+    tracker: EngineTracker
+    reader: EngineEventReader | None = None
+    alive: bool = True
+    #: times this engine was found down
+    failures: int = 0
+
+    def view(self) -> dict[str, Any]:
+        up = self.upstream
+        return {"rank": self.rank, "url": up.base_url, "alive": self.alive,
+                "failures": self.failures, "last_error": up.last_error,
+                "engine_events": self.events or None,
+                "engine_events_received": self.reader.received if self.reader else 0,
+                "queued_prefill_tokens": self.tracker.queued_prefill_tokens,
+                **self.control.snapshot()}
+
+
+class EngineSet:
+    """The engines, their placement, and the dispatch of events to their control planes."""
+
+    def __init__(self, config: SidecarConfig, emit: Callable[[dict[str, Any], str], None],
+                 metrics: SidecarMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        n = len(config.upstreams)
+        self.multi = n > 1
+        self.router = SessionRouter(make_placer(config.placement))
+        adm = config.admission_config
+        if self.multi:
+            # tools run on this host's cores whichever engine their session is on: each
+            # engine's CPU cap gets an equal share of them
+            adm = dataclasses.replace(adm, pressure=dataclasses.replace(
+                adm.pressure, tool_cores=adm.pressure.tool_cores / n))
+        self.engines: list[Engine] = []
+        for rank, (url, events) in enumerate(zip(config.upstreams, config.engines_events)):
+            control = ControlPlane(
+                config, partial(self._emit, emit, rank) if self.multi else emit, metrics,
+                admission_config=adm, on_ended=partial(self._ended, rank))
+            upstream = make_upstream(config.upstream_client, url,
+                                     connect_timeout_s=config.connect_timeout_s,
+                                     read_timeout_s=config.read_timeout_s,
+                                     max_connections=config.max_connections)
+            self.engines.append(Engine(rank, upstream, control, events, EngineTracker(rank)))
+        self._probe: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __getitem__(self, rank: int) -> Engine:
+        return self.engines[rank]
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[..., None],
+              on_malformed: Callable[[], None]) -> None:
+        """Subscribe to each engine's events; ``deliver(events, source=...)`` publishes."""
+        for e in self.engines:
+            if e.events:
+                cb = partial(self._deliver, deliver, e.rank) if self.multi else \
+                    partial(deliver, source="engine")
+                e.reader = EngineEventReader(e.events, cb, loop, on_malformed=on_malformed)
+                e.reader.start()
+        if self.multi:
+            self._probe = loop.create_task(self._probe_down())
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            try:
+                await self._probe
+            except asyncio.CancelledError:
+                pass
+        for e in self.engines:
+            if e.reader is not None:
+                e.reader.stop()
+            await e.upstream.aclose()
+
+    @staticmethod
+    def _emit(emit: Callable[[dict[str, Any], str], None], rank: int, ev: dict[str, Any],
+              source: str) -> None:
+        ev["engine"] = rank
+        emit(ev, source)
+
+    @staticmethod
+    def _deliver(deliver: Callable[..., None], rank: int, events: list[dict[str, Any]]) -> None:
+        for ev in events:
+            ev["engine"] = rank
+        deliver(events, source="engine")
+
+    # ------------------------------------------------------------------ events
+    def observe(self, ev: dict[str, Any]) -> None:
+        """Hub observer: each event to the control plane it concerns."""
+        if not self.multi:
+            self.engines[0].control.observe(ev)
+            return
+        rank = ev.get("engine")
+        if rank is None:
+            sid = ev.get("session_id")
+            rank = self.router.engine_of(sid) if sid else None
+        if rank is None:  # about no engine in particular
+            for e in self.engines:
+                e.control.observe(ev)
+            return
+        if isinstance(rank, int) and 0 <= rank < len(self.engines):
+            e = self.engines[rank]
+            if ev.get("kind") in _TRACKED and "engine" in ev:
+                e.tracker.observe(ev)
+            e.control.observe(ev)
+
+    def _ended(self, rank: int, s: Session, reason: str) -> None:
+        """A session ended on engine ``rank``: forget where it was, unless it is leaving for
+        another engine (a move ends it on the engine it leaves)."""
+        if self.multi and reason not in LEAVING and self.router.engine_of(s.id) == rank:
+            self.router.end(s.id)
+            self.engines[rank].tracker.forget(s.id)
+
+    # ------------------------------------------------------------------ placement
+    def place(self, sid: str, prompt_tokens: Callable[[], int]) -> tuple[Engine, Decision]:
+        """The engine of session ``sid``'s call; raises :class:`NoEngineError`."""
+        if not self.multi:
+            return self.engines[0], Decision(0)
+        known = self.router.engine_of(sid)
+        if known is not None and self.router.placer.sticky and self.engines[known].alive:
+            return self.engines[known], Decision(known)
+        call = Call(sid, prompt_tokens(),
+                    {e.rank: e.tracker.cached_tokens(sid) for e in self.engines})
+        d = self.router.route(call, [self._load(e) for e in self.engines])
+        if d.moved:
+            self.metrics.session_moves.inc()
+        if known is not None and known != d.rank:
+            # the session left engine `known` (gone, or a per-call placer sent it away):
+            # give back what it held there unless a call of it is still running there
+            old = self.engines[known].control
+            s = old.sessions.get(sid)
+            if s is not None and s.inflight == 0:
+                old.end(s, "moved" if d.moved else "switched")
+        return self.engines[d.rank], d
+
+    def _load(self, e: Engine):
+        snap = e.control.snapshot()
+        sig = snap["signals"]
+        committed = int(snap.get("projected_blocks") or 0) - int(sig.get("used_blocks") or 0)
+        # (no admission: no window, budget None)
+        return e.tracker.load(alive=e.alive, sessions=self.router.sessions_on(e.rank),
+                              window=int(snap["budget"] or 0), committed_blocks=committed,
+                              inflight=snap["inflight"])
+
+    def down(self, e: Engine) -> None:
+        """``e`` refused a call: place nothing there until it answers its health probe."""
+        if e.alive:
+            e.failures += 1
+            log.warning("engine %d (%s) is down: %s", e.rank, e.upstream.base_url,
+                        e.upstream.last_error)
+        e.alive = not self.multi  # one engine: nowhere else to go, keep trying it
+
+    async def _probe_down(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for e in self.engines:
+                if not e.alive:
+                    try:
+                        ok = await e.upstream.get_text("/health") is not None
+                    except Exception:  # a probe must never end the loop
+                        ok = False
+                    if ok:
+                        e.alive = True
+                        log.warning("engine %d (%s) is back", e.rank, e.upstream.base_url)
+
+    def any_alive(self) -> bool:
+        return any(e.alive for e in self.engines)
+
+    def first_alive(self) -> Engine:
+        """For calls of no session (models, health, tokenize): any engine answers them."""
+        return next((e for e in self.engines if e.alive), self.engines[0])
+
+    # ------------------------------------------------------------------ views
+    def find_session(self, sid: str) -> Engine | None:
+        rank = self.router.engine_of(sid)
+        if rank is not None:
+            return self.engines[rank]
+        for e in self.engines:
+            if sid in e.control.sessions:
+                return e
+        return None
+
+    def placement_view(self) -> dict[str, Any]:
+        return {"placement": self.router.placer.name, "moves": self.router.moves,
+                "switches": self.router.switches,
+                "engines": [e.view() for e in self.engines]}
+
+
+#: engine events the placement tracker folds
+_TRACKED = frozenset({"kv_snapshot", "scheduler_start", "gpu_submit", "gpu_1st_token",
+                      "gpu_end"})
