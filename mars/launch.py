@@ -158,6 +158,9 @@ class ServerProcess:
         loads the engine), and it is started again on fresh ports, up to
         :data:`PORT_RETRIES` times; ports given by the caller are never changed.
         """
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("this server is already started (use start() or `with`, "
+                               "not both)")
         pick_port, pick_engine = not self.port, not self.engine_port
         workdir = self._workdir = tempfile.mkdtemp(prefix="mars-server-")
         self.log_path = self.log_path or os.path.join(workdir, "server.log")

@@ -309,3 +309,24 @@ def test_a_session_placed_by_the_tracker_goes_where_its_context_is_cached():
     b.observe({"kind": "gpu_end", "request_id": "x", "freed_blocks": 0, "output_tokens": 100})
     call = Call("s", 4200, {0: a.cached_tokens("s"), 1: b.cached_tokens("s")})
     assert MarsPlacer().choose(call, [a.load(), b.load()]) == 1
+
+
+def test_mars_breaks_a_cost_tie_by_the_room_left_then_by_sessions():
+    """A small first prompt fits either pool at no cost; the session goes where its later,
+    larger rounds will not force evictions, and where nothing is known of the pools, to the
+    engine with fewer sessions."""
+    call = Call("s", 64)
+    full = eng(0, free_blocks=20, sessions=1)
+    roomy = eng(1, free_blocks=900, sessions=3)
+    assert MarsPlacer().choose(call, [full, roomy]) == 1
+    # room counts what the admitted sessions are projected to grow into
+    assert MarsPlacer().choose(call, [eng(0, free_blocks=900, committed_blocks=850),
+                                      eng(1, free_blocks=300)]) == 1
+    unknown = [eng(0, total_blocks=0, sessions=2), eng(1, total_blocks=0, sessions=1)]
+    assert MarsPlacer().choose(call, unknown) == 1
+    # an engine that has not reported (it has not stepped yet) is taken to be as roomy as
+    # the roomiest that has: fewer sessions decide
+    assert MarsPlacer().choose(call, [eng(0, free_blocks=990, sessions=1),
+                                      eng(1, total_blocks=0)]) == 1
+    assert MarsPlacer().choose(call, [eng(0, free_blocks=990), eng(1, total_blocks=0,
+                                                                   sessions=1)]) == 0

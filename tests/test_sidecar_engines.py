@@ -4,12 +4,14 @@ the emulated GPU. What each engine served is read from that engine's own events.
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import httpx
 import pytest
 
-from tests.conftest import read_events, wait_for_events
+from mars.protocol.events import parse_event
+from tests.conftest import read_events
 
 pytestmark = pytest.mark.engine
 
@@ -34,7 +36,8 @@ def stack():
         raise
     sc = None
     try:
-        sc = SidecarProcess(f"{a.url},{b.url}", args=["--placement", "mars"]).start()
+        sc = SidecarProcess(f"{a.url},{b.url}", args=[
+            "--placement", "mars", "--events-file", a.events_file + ".sidecar"]).start()
         yield a, b, sc
     finally:
         if sc is not None:
@@ -52,6 +55,18 @@ def _round(url: str, sid: str, rnd: int, last: bool = False) -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=120, json={
         "model": SERVED, "prompt": prompt, "max_tokens": 4, "ignore_eos": True,
         "vllm_xargs": {"job_id": sid, "round": rnd, "last_round": last}})
+
+
+def _wait_ends(files, prefix: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until the engines' own event files hold ``n`` ends of calls of sessions ``prefix*``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = sum(1 for f in files for ev in read_events(f, "gpu_end")
+                  if str(ev.get("session_id")).startswith(prefix))
+        if got >= n:
+            return
+        assert time.monotonic() < deadline, f"{got} of {n} call ends in the engines' events"
+        time.sleep(0.1)
 
 
 def _sessions_by_engine(*servers) -> list[dict[str, set[int]]]:
@@ -72,7 +87,7 @@ def test_every_round_of_a_session_lands_on_one_engine_and_both_serve(stack):
         for sid in sids:
             r = _round(sc.url, sid, rnd)
             assert r.status_code == 200, r.text
-    wait_for_events(b.events_file, lambda e: e["kind"] == "gpu_end")
+    _wait_ends((a.events_file, b.events_file), "dp-s", 3 * SESSIONS)
     on_a, on_b = _sessions_by_engine(a, b)
     # every session on exactly one engine, all three rounds there
     for sid in sids:
@@ -90,46 +105,82 @@ def test_every_round_of_a_session_lands_on_one_engine_and_both_serve(stack):
     view = httpx.get(sc.url + "/v1/mars/sessions", timeout=10).json()["sessions"]
     assert {s["session_id"]: s["engine"] for s in view} == {
         **{sid: 0 for sid in on_a}, **{sid: 1 for sid in on_b}}
+    # the sidecar's merged stream: every event valid, each engine's tagged with its rank
+    time.sleep(0.5)  # (its file is written every 0.1 s)
+    merged = read_events(a.events_file + ".sidecar")
+    for ev in merged:
+        parse_event(ev)
+    snaps = {ev["engine"] for ev in merged if ev["kind"] == "kv_snapshot"}
+    assert snaps == {0, 1}
 
 
 def test_a_dead_engines_sessions_move_and_are_counted(stack):
     a, b, sc = stack
+    for i in range(4):  # (sessions of its own: the test runs alone too)
+        assert _round(sc.url, f"dp-m{i}", 0).status_code == 200
+    _wait_ends((a.events_file, b.events_file), "dp-m", 4)
     on_a, on_b = _sessions_by_engine(a, b)
-    moving = sorted(sid for sid in on_b if sid.startswith("dp-s"))
+    moving = sorted(sid for sid in on_b if sid.startswith("dp-m"))
     assert moving, on_b
+    moves_before = sc.state()["placement"]["moves"]
     b.stop()  # engine 1 gone
     for sid in moving:
         r = _round(sc.url, sid, 3)
         assert r.status_code == 200, r.text  # served by engine 0 instead, in the same call
-    wait_for_events(a.events_file, lambda e: e["kind"] == "gpu_end" and
-                    e.get("session_id") == moving[-1])
+    stayed = sum(1 for sid in on_a if sid.startswith("dp-m"))
+    _wait_ends((a.events_file,), "dp-m", stayed + len(moving))
     now_a = _sessions_by_engine(a)[0]
     for sid in moving:
         assert 3 in now_a.get(sid, set()), (sid, now_a)
     pl = sc.state()["placement"]
-    assert pl["moves"] == len(moving), pl
+    assert pl["moves"] - moves_before == len(moving), pl
     assert [e["alive"] for e in pl["engines"]] == [True, False]
     metrics = httpx.get(sc.url + "/metrics", timeout=10).text
-    assert f"mars_sidecar_session_moves_total {float(len(moving))}" in metrics
+    assert f"mars_sidecar_session_moves_total {float(pl['moves'])}" in metrics
     # the sessions that stayed on engine 0 are not moved, and new ones go there
     r = _round(sc.url, "dp-new", 0)
     assert r.status_code == 200, r.text
-    assert sc.state()["placement"]["moves"] == len(moving)
+    assert sc.state()["placement"]["moves"] == pl["moves"]
 
 
-def test_bad_upstream_lists_are_refused_with_a_clear_line():
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def dp_server():
+    """One ``mars-vllm serve --data-parallel-size 2`` server (vLLM's two engines and its DP
+    coordinator behind one API), the sidecar in front placing sessions by rank header."""
+    pytest.importorskip("vllm")
+    from mars.launch import ServerProcess
 
-    for args, msg in (
-            (["--upstream", "http://127.0.0.1:1,http://127.0.0.1:1"], "named twice"),
-            (["--upstream", "http://127.0.0.1:1,"], "empty entry"),
-            (["--upstream", "http://127.0.0.1:1,http://127.0.0.1:2", "--engine-events",
-              "ipc:///tmp/x.ipc"], "one per upstream"),
-            (["--upstream", "http://127.0.0.1:1,http://127.0.0.1:2", "--engine-events",
-              "ipc:///tmp/x.ipc,ipc:///tmp/x.ipc"], "share one engine event endpoint"),
-            (["--upstream", "http://127.0.0.1:1,ftp://x"], "http(s) URL")):
-        r = subprocess.run([sys.executable, "-m", "mars.cli.sidecar", *args],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2, (args, r.stderr)
-        assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    with ServerProcess(args=["--emulate", f"{GPU}:{MODEL}", "--policy", "mars",
+                             "--data-parallel-size", "2"]) as srv:
+        yield srv
+
+
+def test_the_ranks_of_one_data_parallel_server_each_keep_their_sessions(dp_server):
+    from mars.stream.publisher import rank_path
+
+    srv = dp_server
+    sids = [f"dpr-s{i}" for i in range(4)]
+    for rnd in range(2):
+        for sid in sids:
+            r = _round(srv.url, sid, rnd)
+            assert r.status_code == 200, r.text
+    files = [srv.events_file, rank_path(srv.events_file, 1)]
+    _wait_ends(files, "dpr-", 2 * len(sids))
+    by_rank = []
+    for f in files:
+        got: dict[str, set[int]] = {}
+        for ev in read_events(f, "gpu_submit"):
+            if ev.get("session_id", "").startswith("dpr-"):
+                got.setdefault(ev["session_id"], set()).add(ev.get("round"))
+        by_rank.append(got)
+    # each rank's scheduler saw its own sessions, every round of each, and none of the other's
+    for sid in sids:
+        assert (sid in by_rank[0]) != (sid in by_rank[1]), by_rank
+        assert (by_rank[0].get(sid) or by_rank[1].get(sid)) == {0, 1}
+    assert by_rank[0] and by_rank[1], by_rank
+    st = httpx.get(srv.url + "/v1/mars/state", timeout=10).json()["placement"]
+    assert [e["rank"] for e in st["engines"]] == [0, 1]
+    # the sidecar read each rank's events from that rank's own endpoint
+    assert all(e["engine_events_received"] > 0 for e in st["engines"]), st
+    assert {e["rank"]: e["admitted"] for e in st["engines"]} == {
+        0: len(by_rank[0]), 1: len(by_rank[1])}

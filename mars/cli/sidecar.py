@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZMQ endpoint of the engine's event publisher, one per upstream "
                         "('none' to disable; default: the one `mars-vllm serve --port "
                         "<upstream port>` binds, for each upstream)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="the upstream is a `mars-vllm serve --data-parallel-size N` server: "
+                        "place sessions on its N engines by vLLM's X-data-parallel-rank "
+                        "header, each engine's events read from its own endpoint (set by "
+                        "mars-vllm serve) (default: %(default)s)")
     p.add_argument("--placement", default="mars", choices=sorted(PLACERS),
                    help="with several upstreams, which engine a new session goes to: mars "
                         "(least prefill work and recompute, sessions stay), vllm_dp (vLLM's "
@@ -141,22 +146,31 @@ def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ..
     urls = tuple(u.strip() for u in args.upstream.split(","))
     if not all(urls):
         raise ValueError(f"--upstream {args.upstream!r} has an empty entry")
+    dp = args.data_parallel_size
     events = args.engine_events
     if events is None:
+        if dp > 1:  # the ranks' endpoints, derived from the server's (SidecarConfig)
+            return urls, (engine_events_for(urls[0]),)
         return urls, tuple(engine_events_for(u) for u in urls)
     if events.strip().lower() in ("none", "off", ""):
-        return urls, ("",) * len(urls)
+        return urls, ("",) * (dp if dp > 1 else len(urls))
     eps = tuple(e.strip() for e in events.split(","))
-    if len(eps) != len(urls):
-        raise ValueError(f"--engine-events names {len(eps)} endpoint(s) for {len(urls)} "
-                         "upstream(s): give one per upstream, in the same order")
+    if dp > 1 and len(eps) == 1:
+        return urls, eps
+    if len(eps) != (dp if dp > 1 else len(urls)):
+        raise ValueError(f"--engine-events names {len(eps)} endpoint(s) for "
+                         f"{dp if dp > 1 else len(urls)} engine(s): give one per engine, in "
+                         "the same order")
     return urls, tuple("" if e.lower() in ("none", "off") else e for e in eps)
 
 
 def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     urls, events = _upstreams(args)
+    dp = args.data_parallel_size
+    one = dp > 1 and len(events) == 1  # the server's endpoint: the config derives the ranks'
     return SidecarConfig(
-        upstream=urls[0], upstreams=urls, engines_events=events, placement=args.placement,
+        upstream=urls[0], upstreams=urls, engines_events=() if one else events,
+        placement=args.placement, data_parallel_size=dp,
         host=args.host, port=args.port, admission=args.admission,
         admission_config=admission_config_from_args(args), engine_events=events[0],
         events_file=args.events_file, admission_timeout_s=args.admission_timeout,

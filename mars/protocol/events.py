@@ -68,6 +68,9 @@ class _Base(BaseModel):
     v: int = Field(default=SCHEMA_VERSION, ge=0, le=1000)
     ts: float = Field(ge=0, le=MAX_TS, description="Unix time in seconds at the producer")
     session_id: Name | None = None
+    #: which of several engines behind one sidecar the event is about (its rank; set by the
+    #: sidecar on that engine's events and on its control plane's); absent with one engine
+    engine: int | None = Field(default=None, ge=0)
 
 
 class _RequestEvent(_Base):

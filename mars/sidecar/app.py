@@ -69,6 +69,8 @@ GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
 POSTABLE_KINDS = frozenset(TOOL_KINDS) | {"session_end"}
 #: where HotPath leaves the caller's proven audience (mars.sidecar.auth.Access) in the scope
 ACCESS_SCOPE_KEY = "mars.access"
+#: state gauges of the sidecar itself, not of one engine (no ``engine`` label)
+SIDECAR_GAUGES = frozenset({"sse_subscribers"})
 #: status recorded for a request whose client went away (nginx's convention)
 CLIENT_CLOSED = 499
 
@@ -208,24 +210,34 @@ class Sidecar:
                         sid, one_shot=one_shot, last_round=info.last_round,
                         prompt_tokens=lambda: info.prompt_tokens)
                 except QueueFull as exc:
+                    self.engines.refused(eng, sid)
                     self.metrics.queue_full.inc()
                     return self._answer(route, openai_error(
                         429, f"{exc}: retry later", retry_after=cfg.retry_after_s))
                 except AdmissionTimeout as exc:
+                    self.engines.refused(eng, sid)
                     return self._answer(route, openai_error(
                         503, str(exc), type_="admission_timeout", retry_after=cfg.retry_after_s))
                 except SessionClosed as exc:
+                    self.engines.refused(eng, sid)
                     return self._answer(route, openai_error(409, str(exc)))
+                except asyncio.CancelledError:
+                    self.engines.refused(eng, sid)
+                    raise
                 rid = self._rid_prefix + str(next(self._rid))
                 self.hub.publish(make_event("request_start", session_id=sid, request_id=rid,
                                             round=info.round), "control")
                 try:
-                    resp = await eng.upstream.open("POST", route, scope["query_string"],
-                                                   request_headers(scope["headers"]), info.body)
+                    resp = await eng.upstream.open(
+                        "POST", route, scope["query_string"],
+                        self.engines.headers_for(eng, request_headers(scope["headers"])),
+                        info.body)
                 except UpstreamUnavailable as exc:
                     self.metrics.upstream_errors.inc()
-                    self.engines.down(eng)
-                    if attempt + 1 < len(self.engines) and self.engines.any_alive():
+                    if exc.connect_failed:
+                        self.engines.down(eng)
+                    if exc.connect_failed and attempt + 1 < len(self.engines) and \
+                            self.engines.any_alive():
                         # nothing reached the client: the call leaves this engine, its
                         # session with it, and is placed again
                         control.end(session, "moved")
@@ -399,11 +411,30 @@ class Sidecar:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     def _gauges(self) -> dict[str, tuple]:
-        snap = self.control.snapshot()
+        """The state gauges; with several engines each engine's, under an ``engine`` label
+        (the stream's subscribers are the sidecar's own, unlabelled)."""
+        if not self.engines.multi:
+            return self._engine_gauges(self.control, self.upstream)
+        per = [(str(e.rank), self._engine_gauges(e.control, e.upstream))
+               for e in self.engines.engines]
+        out: dict[str, tuple] = {}
+        for name, spec in per[0][1].items():
+            if name in SIDECAR_GAUGES:
+                out[name] = spec
+            elif len(spec) == 2:
+                out[name] = (spec[0], {(rank, ): g[name][1] for rank, g in per}, ("engine",))
+            else:
+                out[name] = (spec[0], {key + (rank,): v for rank, g in per
+                                       for key, v in g[name][1].items()},
+                             tuple(spec[2]) + ("engine",))
+        return out
+
+    def _engine_gauges(self, control: ControlPlane, upstream) -> dict[str, tuple]:
+        snap = control.snapshot()
         s = snap["signals"]
-        up = self.upstream.up
+        up = upstream.up
         return {
-            "admission_enabled": ("1 if the sidecar gates new sessions", 1 if self.control.admission else 0),
+            "admission_enabled": ("1 if the sidecar gates new sessions", 1 if control.admission else 0),
             "window": ("Raw AIMD window W", snap["window"]),
             "window_budget": ("Admitted sessions allowed: min(W, caps), clamped", snap["budget"]),
             "window_limit": ("1 for what bounds the admitted sessions now (the smallest of the "

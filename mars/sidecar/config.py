@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from mars.policy.control.admission import AdmissionConfig
 from mars.policy.control.packing import PackConfig
 from mars.policy.control.placement import PLACERS
+from mars.stream.publisher import rank_endpoint
 from mars.policy.control.pressure import PressureConfig
 from mars.policy.control.window import AIMDConfig
 
@@ -107,6 +108,10 @@ class SidecarConfig:
     engines_events: tuple[str, ...] = ()
     #: which engine a new session goes to (mars.policy.control.placement.PLACERS)
     placement: str = "mars"
+    #: N > 1: the one upstream is a ``--data-parallel-size N`` server, its engines addressed
+    #: by vLLM's ``X-data-parallel-rank`` header, each publishing its events on its own
+    #: endpoint (mars.stream.publisher.rank_endpoint of ``engine_events``)
+    data_parallel_size: int = 1
     #: append the merged stream (engine + tool + control events) to this JSONL file
     events_file: str | None = None
 
@@ -176,11 +181,23 @@ class SidecarConfig:
         self.upstreams = tuple(_base_url(u) for u in (self.upstreams or (self.upstream,)))
         if len(set(self.upstreams)) != len(self.upstreams):
             raise ValueError(f"an upstream is named twice in {list(self.upstreams)}")
-        events = tuple(self.engines_events) or (self.engine_events,) + ("",) * (
-            len(self.upstreams) - 1)
-        if len(events) != len(self.upstreams):
-            raise ValueError(f"{len(events)} engine event endpoints for "
-                             f"{len(self.upstreams)} upstreams: give one per upstream")
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
+        if dp > 1 and len(self.upstreams) > 1:
+            raise ValueError("--data-parallel-size addresses the engines of one server by "
+                             "rank; several --upstream URLs are engines of their own: "
+                             "give one or the other")
+        engines = dp if dp > 1 else len(self.upstreams)
+        if self.engines_events:
+            events = tuple(self.engines_events)
+        elif dp > 1:
+            events = tuple(rank_endpoint(self.engine_events, r) or "" for r in range(dp))
+        else:
+            events = (self.engine_events,) + ("",) * (engines - 1)
+        if len(events) != engines:
+            raise ValueError(f"{len(events)} engine event endpoints for {engines} engines: "
+                             "give one per engine")
         named = [e for e in events if e]
         if len(set(named)) != len(named):
             raise ValueError("two upstreams cannot share one engine event endpoint: each "

@@ -1,9 +1,13 @@
 """The engines behind one sidecar, and which of them serves each session (issue #34).
 
 One engine is the common case and costs nothing here: :class:`EngineSet` then holds a single
-:class:`Engine` and every call goes to it, its events unchanged. With several engines of
-one model (``mars sidecar --upstream URL1,URL2,...``, one ``mars-vllm serve --no-sidecar``
-each: vLLM's external load-balancing shape) each engine has what one engine has alone --
+:class:`Engine` and every call goes to it, its events unchanged. Several engines of one model
+come in two shapes: one server each (``mars sidecar --upstream URL1,URL2,...`` in front of
+``mars-vllm serve --no-sidecar`` servers: vLLM's external load-balancing shape), or the ranks
+of one ``mars-vllm serve --data-parallel-size N`` server (vLLM's own engines and DP
+coordinator behind one API; the sidecar addresses rank r with vLLM's ``X-data-parallel-rank:
+r`` header, and rank r publishes its events on its own endpoint,
+:func:`mars.stream.publisher.rank_endpoint`). Either way each engine has what one has alone --
 its own HTTP client, its own control plane (session window, packing room, KV state from its
 own events) and a share of the tool cores -- and the placement policy
 (:mod:`mars.policy.control.placement`) picks the engine of each new session from what each
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import zlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -38,6 +43,9 @@ from mars.stream.engine_reader import EngineEventReader
 
 log = logging.getLogger("mars.sidecar.engines")
 
+#: vLLM's header that sends a request to one engine of a data-parallel server (lower case, as
+#: ASGI gives header names)
+RANK_HEADER = b"x-data-parallel-rank"
 #: session_end reasons that mean "on to another engine", not "over"
 LEAVING = frozenset({"moved", "switched"})
 #: seconds between two health probes of a down engine
@@ -56,6 +64,9 @@ class Engine:
     events: str
     tracker: EngineTracker
     reader: EngineEventReader | None = None
+    #: added to every generation request: vLLM's ``X-data-parallel-rank`` when the engines
+    #: are the ranks of one ``--data-parallel-size`` server
+    headers: tuple[tuple[bytes, bytes], ...] = ()
     alive: bool = True
     #: times this engine was found down
     failures: int = 0
@@ -67,6 +78,7 @@ class Engine:
                 "engine_events": self.events or None,
                 "engine_events_received": self.reader.received if self.reader else 0,
                 "queued_prefill_tokens": self.tracker.queued_prefill_tokens,
+                "cached_sessions": self.tracker.sessions_cached,
                 **self.control.snapshot()}
 
 
@@ -77,7 +89,9 @@ class EngineSet:
                  metrics: SidecarMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        n = len(config.upstreams)
+        dp = config.data_parallel_size
+        n = dp if dp > 1 else len(config.upstreams)
+        urls = config.upstreams * n if dp > 1 else config.upstreams
         self.multi = n > 1
         self.router = SessionRouter(make_placer(config.placement))
         adm = config.admission_config
@@ -87,7 +101,7 @@ class EngineSet:
             adm = dataclasses.replace(adm, pressure=dataclasses.replace(
                 adm.pressure, tool_cores=adm.pressure.tool_cores / n))
         self.engines: list[Engine] = []
-        for rank, (url, events) in enumerate(zip(config.upstreams, config.engines_events)):
+        for rank, (url, events) in enumerate(zip(urls, config.engines_events)):
             control = ControlPlane(
                 config, partial(self._emit, emit, rank) if self.multi else emit, metrics,
                 admission_config=adm, on_ended=partial(self._ended, rank))
@@ -95,7 +109,9 @@ class EngineSet:
                                      connect_timeout_s=config.connect_timeout_s,
                                      read_timeout_s=config.read_timeout_s,
                                      max_connections=config.max_connections)
-            self.engines.append(Engine(rank, upstream, control, events, EngineTracker(rank)))
+            headers = ((RANK_HEADER, str(rank).encode()),) if dp > 1 else ()
+            self.engines.append(Engine(rank, upstream, control, events, EngineTracker(rank),
+                                       headers=headers))
         self._probe: asyncio.Task | None = None
 
     def __len__(self) -> int:
@@ -148,23 +164,42 @@ class EngineSet:
             self.engines[0].control.observe(ev)
             return
         rank = ev.get("engine")
-        if rank is None:
-            sid = ev.get("session_id")
-            rank = self.router.engine_of(sid) if sid else None
-        if rank is None:  # about no engine in particular
-            for e in self.engines:
+        if rank is not None:  # an engine's own event, or its control plane's
+            if isinstance(rank, int) and 0 <= rank < len(self.engines):
+                e = self.engines[rank]
+                kind = ev.get("kind")
+                if kind in _TRACKED:  # (engine kinds: no control plane emits them)
+                    e.tracker.observe(ev)
+                    if kind == "kv_snapshot":
+                        self.router.placer.snapshot(rank)
                 e.control.observe(ev)
             return
-        if isinstance(rank, int) and 0 <= rank < len(self.engines):
-            e = self.engines[rank]
-            if ev.get("kind") in _TRACKED and "engine" in ev:
-                e.tracker.observe(ev)
+        kind = ev.get("kind")
+        if kind == "tool_num":
+            # the host's count of running tools: each engine holds an equal share of the
+            # cores, so it is told an equal share of the tools
+            n = len(self.engines)
+            share = int(ev.get("active") or 0)
+            for e in self.engines:
+                e.control.observe({**ev, "active": share // n + (e.rank < share % n)})
+            return
+        sid = ev.get("session_id")
+        rank = self.router.engine_of(sid) if sid else None
+        if rank is None and sid:
+            # a session no engine holds (ended, or not placed yet): its tools still use this
+            # host's cores; counted once, on an engine its id picks
+            rank = zlib.crc32(str(sid).encode()) % len(self.engines)
+        for e in (self.engines if rank is None else (self.engines[rank],)):
             e.control.observe(ev)
 
     def _ended(self, rank: int, s: Session, reason: str) -> None:
         """A session ended on engine ``rank``: forget where it was, unless it is leaving for
         another engine (a move ends it on the engine it leaves)."""
-        if self.multi and reason not in LEAVING and self.router.engine_of(s.id) == rank:
+        if not self.multi:
+            return
+        if reason in LEAVING:
+            self.engines[rank].tracker.forget(s.id)
+        elif self.router.engine_of(s.id) == rank:
             self.router.end(s.id)
             self.engines[rank].tracker.forget(s.id)
 
@@ -182,13 +217,23 @@ class EngineSet:
         if d.moved:
             self.metrics.session_moves.inc()
         if known is not None and known != d.rank:
-            # the session left engine `known` (gone, or a per-call placer sent it away):
-            # give back what it held there unless a call of it is still running there
+            # the session left engine `known` (gone, or a per-call placer sent it away): it
+            # gives back what it held there now, or when its calls still there are done
             old = self.engines[known].control
             s = old.sessions.get(sid)
-            if s is not None and s.inflight == 0:
-                old.end(s, "moved" if d.moved else "switched")
+            reason = "moved" if d.moved else "switched"
+            if s is not None and s.inflight == 0 and s.waiting == 0:
+                old.end(s, reason)
+            elif s is not None:
+                s.end_reason = reason
         return self.engines[d.rank], d
+
+    def refused(self, e: Engine, sid: str) -> None:
+        """The call placed on ``e`` was refused before its session began there (queue full,
+        admission timeout): the session is not there, so the router must not say it is."""
+        if self.multi and sid not in e.control.sessions and \
+                self.router.engine_of(sid) == e.rank:
+            self.router.end(sid)
 
     def _load(self, e: Engine):
         snap = e.control.snapshot()
@@ -200,12 +245,13 @@ class EngineSet:
                               inflight=snap["inflight"])
 
     def down(self, e: Engine) -> None:
-        """``e`` refused a call: place nothing there until it answers its health probe."""
-        if e.alive:
+        """``e`` refused a connection: place nothing there until it answers its health
+        probe. (One engine: nowhere else to go; it is tried again with every call.)"""
+        if self.multi and e.alive:
+            e.alive = False
             e.failures += 1
             log.warning("engine %d (%s) is down: %s", e.rank, e.upstream.base_url,
                         e.upstream.last_error)
-        e.alive = not self.multi  # one engine: nowhere else to go, keep trying it
 
     async def _probe_down(self) -> None:
         while True:
@@ -219,6 +265,14 @@ class EngineSet:
                     if ok:
                         e.alive = True
                         log.warning("engine %d (%s) is back", e.rank, e.upstream.base_url)
+
+    @staticmethod
+    def headers_for(e: Engine, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """A generation request's headers for engine ``e``: its rank header replaces any the
+        client sent (the session's engine is the sidecar's decision)."""
+        if not e.headers:
+            return headers
+        return [h for h in headers if h[0] != RANK_HEADER] + list(e.headers)
 
     def any_alive(self) -> bool:
         return any(e.alive for e in self.engines)
@@ -240,7 +294,8 @@ class EngineSet:
     def placement_view(self) -> dict[str, Any]:
         return {"placement": self.router.placer.name, "moves": self.router.moves,
                 "switches": self.router.switches,
-                "engines": [e.view() for e in self.engines]}
+                "engines": [{**e.view(), "placed": self.router.sessions_on(e.rank)}
+                            for e in self.engines]}
 
 
 #: engine events the placement tracker folds

@@ -33,6 +33,11 @@ class SidecarProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "SidecarProcess":
+        if self.proc is not None and self.proc.poll() is None:
+            # a second process on the same port would fail to bind while the health check
+            # answers from the first, which would then never be stopped
+            raise RuntimeError("this sidecar is already started (use start() or `with`, "
+                               "not both)")
         self.port = self.port or free_port()
         if self.log_path is None:
             self.log_path = os.path.join(tempfile.mkdtemp(prefix="mars-sidecar-"), "sidecar.log")

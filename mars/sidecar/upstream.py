@@ -32,7 +32,13 @@ log = logging.getLogger("mars.sidecar.upstream")
 
 
 class UpstreamUnavailable(Exception):
-    """Could not get a response from the engine (down, restarting, crashed): 503."""
+    """Could not get a response from the engine (down, restarting, crashed): 503.
+    ``connect_failed``: no connection was made, so nothing of the request reached the
+    engine (it may be sent to another)."""
+
+    def __init__(self, message: str, connect_failed: bool = False) -> None:
+        super().__init__(message)
+        self.connect_failed = connect_failed
 
 
 class UpstreamBroken(Exception):
@@ -56,12 +62,13 @@ class Upstream:
         self.last_error: str | None = None
         self.last_error_at: float | None = None
 
-    def down(self, exc: BaseException) -> UpstreamUnavailable:
+    def down(self, exc: BaseException, connect_failed: bool = False) -> UpstreamUnavailable:
         self.up = False
         self.failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.last_error_at = time.time()
-        return UpstreamUnavailable(f"upstream {self.base_url} unavailable ({self.last_error})")
+        return UpstreamUnavailable(f"upstream {self.base_url} unavailable ({self.last_error})",
+                                   connect_failed)
 
     async def open(self, method: str, path: str, query: bytes,
                    headers: list[tuple[bytes, bytes]], body: bytes):
@@ -137,7 +144,8 @@ class HttpxUpstream(Upstream):
         try:
             r = await self.client.send(req, stream=True)
         except httpx.TransportError as exc:
-            raise self.down(exc) from None
+            connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            raise self.down(exc, connect_failed=connect) from None
         self.up = True
         return _HttpxResponse(r)
 
@@ -377,7 +385,7 @@ class FastUpstream(Upstream):
                 try:
                     conn = await self._connect()
                 except (OSError, asyncio.TimeoutError) as exc:
-                    raise self.down(exc) from None
+                    raise self.down(exc, connect_failed=True) from None
             conn.reset()
             try:
                 conn.transport.write(head + body if len(body) < 65536 else head)

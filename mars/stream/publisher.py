@@ -12,12 +12,40 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 TOPIC = b"mars"
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where data-parallel engine ``rank`` of a server publishes, given the server's
+    endpoint: rank 0 on the endpoint itself (so one engine is unchanged), rank r on its own
+    (``ipc://P.ipc`` -> ``ipc://P-dp<r>.ipc``; ``tcp://H:PORT`` -> ``tcp://H:PORT+r``).
+    Several engines on one endpoint would not work: only one can bind it. The sidecar
+    derives the same endpoints from the server's (``mars sidecar --data-parallel-size``)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
+        head, port = endpoint.rsplit(":", 1)
+        return f"{head}:{int(port) + rank}"
+    stem, dot, ext = endpoint.rpartition(".")
+    if dot and "/" not in ext:
+        return f"{stem}-dp{rank}.{ext}"
+    return f"{endpoint}-dp{rank}"
+
+
+def rank_path(path: str | None, rank: int) -> str | None:
+    """The events file of data-parallel engine ``rank``: rank 0 writes ``path`` itself,
+    rank r ``<stem>.dp<r><suffix>`` beside it (processes appending one file in buffered
+    chunks would cut each other's lines)."""
+    if not path or rank == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.dp{rank}{ext}"
 
 
 class EventPublisher:

@@ -39,7 +39,7 @@ from mars.protocol.session import SessionMeta
 from mars.protocol.events import make_event
 from mars.policy.registry import get_policy, with_config
 from mars.policy.engine.step_stats import StepStats
-from mars.stream.publisher import EventPublisher
+from mars.stream.publisher import EventPublisher, rank_endpoint, rank_path
 from mars.engine.sched.calls import EngineCall
 from mars.engine.sched.coordinator import Coordinator
 from mars.engine.sched.coscheduler import CoScheduler
@@ -82,9 +82,12 @@ class MarsSchedulerMixin:
         overrides = cfg.get("policy_config") or {}
         ordering = with_config(ordering, overrides.get("ordering"))
         retention = with_config(retention, overrides.get("retention"))
+        # one of several data-parallel engines: its own endpoint and file (the rank vLLM
+        # gives each engine process; 0 without data parallelism)
+        self.mars_dp_rank = int(self.vllm_config.parallel_config.data_parallel_index or 0)
         self.mars_events = EventPublisher(
-            endpoint=cfg.get("events_endpoint") or None,
-            jsonl_path=cfg.get("events_file") or None,
+            endpoint=rank_endpoint(cfg.get("events_endpoint") or None, self.mars_dp_rank),
+            jsonl_path=rank_path(cfg.get("events_file") or None, self.mars_dp_rank),
         )
         self.mars_counters = {"submitted": 0, "finished": 0, "preempted": 0, "steps": 0,
                               "shrunk": 0, "yielded": 0, "held_back": 0, "pinned": 0,

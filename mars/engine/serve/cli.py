@@ -24,6 +24,7 @@ import threading
 
 from mars.policy.registry import POLICY_NAMES
 from mars.engine.serve import lifecycle
+from mars.stream.publisher import rank_endpoint
 
 logger = logging.getLogger("mars.serve")
 
@@ -439,6 +440,9 @@ def start_sidecar(args: argparse.Namespace):
         cmd.append("--open-metrics")
     if getattr(args, "tool_cores", None):
         cmd += ["--tool-cores", str(args.tool_cores)]
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    if dp > 1:  # vLLM's engines behind one API server: the sidecar places sessions on them
+        cmd += ["--data-parallel-size", str(dp)]
     # keys travel in the environment, not argv (``ps`` shows argv to every local user)
     env = dict(os.environ)
     if getattr(args, "api_key", None):
@@ -517,7 +521,9 @@ def main(argv: list[str] | None = None) -> None:
     apply_mars_defaults(args, argv[1:], _is_cpu_platform())
     cmd.validate(args)
     lifecycle.sweep_stale_ipc(tempfile.gettempdir())  # left by servers that were killed
-    lifecycle.remove_ipc_at_exit(args.additional_config["mars"]["events_endpoint"])
+    for rank in range(max(1, int(getattr(args, "data_parallel_size", 1) or 1))):
+        lifecycle.remove_ipc_at_exit(rank_endpoint(
+            args.additional_config["mars"]["events_endpoint"], rank))
     # a SIGTERM during the engine's start-up handshake must stop the start-up (vLLM drops it)
     lifecycle.propagate_startup_interrupts()
     # vLLM's EngineCore and workers die with their parent (the lifecycle plugin reads this)

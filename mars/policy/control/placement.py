@@ -122,6 +122,10 @@ class Placer(abc.ABC):
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
         """The rank to send ``call`` to, among the alive ``engines`` (never empty)."""
 
+    def snapshot(self, rank: int | None = None) -> None:
+        """New counts from engine ``rank`` (None: from every engine). Placers that keep
+        their own additions between snapshots (vLLM's) drop them here."""
+
 
 def _alive(engines: Sequence[EngineLoad]) -> list[EngineLoad]:
     live = [e for e in engines if e.alive]
@@ -141,9 +145,13 @@ class MarsPlacer(Placer):
     window is full ranks after every engine with room: the session would wait there for a
     slot while another admits it now; among full engines the shortest line for a slot, in
     windows (:attr:`EngineLoad.wait_line`), goes first, since a slot frees each time one of
-    the admitted sessions ends. Ties go to the engine with fewer sessions, then the lower
-    rank. An engine that has not reported its pool yet is charged no recompute (nothing is
-    known to be evicted there).
+    the admitted sessions ends. Ties go to the engine with the most room left (a session's
+    context grows round by round: where the pool is nearly full its later rounds are the
+    ones that force evictions, though its first prompt fits), then to the one with fewer
+    sessions, then the lower rank. An engine that has not reported its pool yet is charged
+    no recompute (nothing is known to be evicted there) and counts as having as much room as
+    the roomiest engine that has: engines report their pool as they step, so one that has
+    not is most likely one that has run nothing yet.
 
     Nothing here is a tuned weight: the terms are token counts the events give and the
     prefill rate the step-time model measures, so they add up in one unit.
@@ -161,11 +169,23 @@ class MarsPlacer(Placer):
         work = e.queued_prefill_tokens + uncached + shortfall_tokens
         return work / e.prefill_tokens_per_s
 
-    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
-        def key(e: EngineLoad) -> tuple:
-            return (e.wait_line, self.cost_s(call, e), e.sessions, e.rank)
+    @staticmethod
+    def room_blocks(e: EngineLoad) -> int | None:
+        """Free blocks less what the admitted sessions are projected to grow into (None for
+        an engine that has not reported its pool)."""
+        return max(0, e.free_blocks - e.committed_blocks) if e.has_kv_stats else None
 
-        return min(_alive(engines), key=key).rank
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        live = _alive(engines)
+        rooms = {e.rank: self.room_blocks(e) for e in live}
+        top = max((r for r in rooms.values() if r is not None), default=0)
+
+        def key(e: EngineLoad) -> tuple:
+            room = rooms[e.rank]
+            return (e.wait_line, self.cost_s(call, e), -(top if room is None else room),
+                    e.sessions, e.rank)
+
+        return min(live, key=key).rank
 
 
 class VllmDpPlacer(Placer):
@@ -188,9 +208,13 @@ class VllmDpPlacer(Placer):
         self._start = 0
         self._sent: dict[int, int] = {}  # rank -> calls sent since the last snapshot
 
-    def snapshot(self) -> None:
-        """New counts from the engines: the local additions are in them now."""
-        self._sent.clear()
+    def snapshot(self, rank: int | None = None) -> None:
+        """New counts from the engines (or engine ``rank``): the local additions are in
+        them now."""
+        if rank is None:
+            self._sent.clear()
+        else:
+            self._sent.pop(rank, None)
 
     def score(self, e: EngineLoad) -> float:
         waiting = e.waiting + self._sent.get(e.rank, 0)
@@ -306,8 +330,9 @@ class SessionRouter:
     :attr:`switches` (each such call prefills its context again). Sessions end with
     :meth:`end`.
 
-    Pure bookkeeping, no clock: a session that never ends (its client vanished) is dropped by
-    the caller's own expiry, as the sidecar drops its other per-session state."""
+    Pure bookkeeping, no clock: the caller ends every session it placed (:meth:`end`) when
+    it ends there, its expiry included, and when the call that placed it was refused before
+    the session began there (queue full)."""
 
     def __init__(self, placer: Placer) -> None:
         self.placer = placer
@@ -368,8 +393,12 @@ class EngineTracker:
         kind = ev.get("kind")
         if kind == "kv_snapshot":
             self.snapshot = dict(ev)
-        elif kind == "scheduler_start":
+        elif kind == "scheduler_start":  # (re)started: nothing queued, nothing cached
             self.block_size = max(1, int(ev.get("block_size") or 1))
+            self._queued.clear()
+            self._prompt.clear()
+            self._cached.clear()
+            self.queued_prefill_tokens = 0
         elif kind == "gpu_submit":
             rid = str(ev.get("request_id"))
             n = int(ev.get("prompt_tokens") or 0)
@@ -385,6 +414,12 @@ class EngineTracker:
                 got = self._prompt.pop(rid, None)
                 if got is not None:
                     self._cached[got[0]] = got[1] + int(ev.get("output_tokens") or 0)
+
+    @property
+    def sessions_cached(self) -> int:
+        """Sessions whose context this tracker remembers (bounded by the sessions placed
+        here: each is forgotten when it ends or leaves)."""
+        return len(self._cached)
 
     def cached_tokens(self, session_id: str) -> int:
         return self._cached.get(session_id, 0)
