@@ -46,13 +46,14 @@ def stack():
         a.stop()
 
 
-def _round(url: str, sid: str, rnd: int, last: bool = False) -> httpx.Response:
+def _round(url: str, sid: str, rnd: int, last: bool = False,
+           headers: dict | None = None) -> httpx.Response:
     # each session its own context, growing by round (token ids in the vocabulary of the
     # embedded tokenizer the emulated model is served with)
     seed = zlib.crc32(sid.encode())
     base = [100 + (seed + i * 104729) % 800 for i in range(400)]
     prompt = base + [7] * (50 * rnd)
-    return httpx.post(url + "/v1/completions", timeout=120, json={
+    return httpx.post(url + "/v1/completions", timeout=120, headers=headers, json={
         "model": SERVED, "prompt": prompt, "max_tokens": 4, "ignore_eos": True,
         "vllm_xargs": {"job_id": sid, "round": rnd, "last_round": last}})
 
@@ -160,23 +161,35 @@ def test_the_ranks_of_one_data_parallel_server_each_keep_their_sessions(dp_serve
 
     srv = dp_server
     sids = [f"dpr-s{i}" for i in range(4)]
+    files = [srv.events_file, rank_path(srv.events_file, 1)]
+
+    def by_rank() -> list[dict[str, set[int]]]:
+        out = []
+        for f in files:
+            got: dict[str, set[int]] = {}
+            for ev in read_events(f, "gpu_submit"):
+                if ev.get("session_id", "").startswith("dpr-"):
+                    got.setdefault(ev["session_id"], set()).add(ev.get("round"))
+            out.append(got)
+        return out
+
     for rnd in range(2):
         for sid in sids:
             r = _round(srv.url, sid, rnd)
             assert r.status_code == 200, r.text
-    files = [srv.events_file, rank_path(srv.events_file, 1)]
     _wait_ends(files, "dpr-", 2 * len(sids))
-    by_rank = []
-    for f in files:
-        got: dict[str, set[int]] = {}
-        for ev in read_events(f, "gpu_submit"):
-            if ev.get("session_id", "").startswith("dpr-"):
-                got.setdefault(ev["session_id"], set()).add(ev.get("round"))
-        by_rank.append(got)
+    placed = by_rank()
+    # a round that names the other rank itself: the sidecar's placement wins over it
+    for sid in sids:
+        other = 1 if sid in placed[0] else 0
+        r = _round(srv.url, sid, 2, headers={"X-data-parallel-rank": str(other)})
+        assert r.status_code == 200, r.text
+    _wait_ends(files, "dpr-", 3 * len(sids))
+    by_rank = by_rank()
     # each rank's scheduler saw its own sessions, every round of each, and none of the other's
     for sid in sids:
         assert (sid in by_rank[0]) != (sid in by_rank[1]), by_rank
-        assert (by_rank[0].get(sid) or by_rank[1].get(sid)) == {0, 1}
+        assert (by_rank[0].get(sid) or by_rank[1].get(sid)) == {0, 1, 2}
     assert by_rank[0] and by_rank[1], by_rank
     st = httpx.get(srv.url + "/v1/mars/state", timeout=10).json()["placement"]
     assert [e["rank"] for e in st["engines"]] == [0, 1]
