@@ -141,38 +141,30 @@ def _env_keys(*names: str) -> tuple[str, ...]:
     return ()
 
 
-def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The upstream URLs and their event endpoints, position for position."""
+def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """The upstream URLs, the first engine's event endpoint, and every engine's when named
+    one by one (SidecarConfig checks the counts and derives the data-parallel ranks')."""
     urls = tuple(u.strip() for u in args.upstream.split(","))
     if not all(urls):
         raise ValueError(f"--upstream {args.upstream!r} has an empty entry")
-    dp = args.data_parallel_size
     events = args.engine_events
-    if events is None:
-        if dp > 1:  # the ranks' endpoints, derived from the server's (SidecarConfig)
-            return urls, (engine_events_for(urls[0]),)
-        return urls, tuple(engine_events_for(u) for u in urls)
+    if events is None:  # the endpoint each `mars-vllm serve --port P` binds
+        each = () if args.data_parallel_size > 1 else tuple(map(engine_events_for, urls))
+        return urls, engine_events_for(urls[0]), each
     if events.strip().lower() in ("none", "off", ""):
-        return urls, ("",) * (dp if dp > 1 else len(urls))
-    eps = tuple(e.strip() for e in events.split(","))
-    if dp > 1 and len(eps) == 1:
-        return urls, eps
-    if len(eps) != (dp if dp > 1 else len(urls)):
-        raise ValueError(f"--engine-events names {len(eps)} endpoint(s) for "
-                         f"{dp if dp > 1 else len(urls)} engine(s): give one per engine, in "
-                         "the same order")
-    return urls, tuple("" if e.lower() in ("none", "off") else e for e in eps)
+        return urls, "", ()
+    eps = tuple("" if e.strip().lower() in ("none", "off") else e.strip()
+                for e in events.split(","))
+    return urls, eps[0], eps if len(eps) > 1 or len(urls) > 1 else ()
 
 
 def config_from_args(args: argparse.Namespace) -> SidecarConfig:
-    urls, events = _upstreams(args)
-    dp = args.data_parallel_size
-    one = dp > 1 and len(events) == 1  # the server's endpoint: the config derives the ranks'
+    urls, first, events = _upstreams(args)
     return SidecarConfig(
-        upstream=urls[0], upstreams=urls, engines_events=() if one else events,
-        placement=args.placement, data_parallel_size=dp,
+        upstream=urls[0], upstreams=urls, engines_events=events,
+        placement=args.placement, data_parallel_size=args.data_parallel_size,
         host=args.host, port=args.port, admission=args.admission,
-        admission_config=admission_config_from_args(args), engine_events=events[0],
+        admission_config=admission_config_from_args(args), engine_events=first,
         events_file=args.events_file, admission_timeout_s=args.admission_timeout,
         idle_timeout_s=args.idle_timeout, step_interval_s=args.step_interval,
         upstream_client=args.upstream_client,

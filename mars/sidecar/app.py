@@ -206,24 +206,22 @@ class Sidecar:
                         retry_after=cfg.retry_after_s))
                 control = eng.control
                 try:
-                    session = await control.acquire(
-                        sid, one_shot=one_shot, last_round=info.last_round,
-                        prompt_tokens=lambda: info.prompt_tokens)
+                    try:
+                        session = await control.acquire(
+                            sid, one_shot=one_shot, last_round=info.last_round,
+                            prompt_tokens=lambda: info.prompt_tokens)
+                    except BaseException:  # refused (or the client left) before it began
+                        self.engines.refused(eng, sid)
+                        raise
                 except QueueFull as exc:
-                    self.engines.refused(eng, sid)
                     self.metrics.queue_full.inc()
                     return self._answer(route, openai_error(
                         429, f"{exc}: retry later", retry_after=cfg.retry_after_s))
                 except AdmissionTimeout as exc:
-                    self.engines.refused(eng, sid)
                     return self._answer(route, openai_error(
                         503, str(exc), type_="admission_timeout", retry_after=cfg.retry_after_s))
                 except SessionClosed as exc:
-                    self.engines.refused(eng, sid)
                     return self._answer(route, openai_error(409, str(exc)))
-                except asyncio.CancelledError:
-                    self.engines.refused(eng, sid)
-                    raise
                 rid = self._rid_prefix + str(next(self._rid))
                 self.hub.publish(make_event("request_start", session_id=sid, request_id=rid,
                                             round=info.round), "control")

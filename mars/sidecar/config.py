@@ -188,7 +188,7 @@ class SidecarConfig:
             raise ValueError("--data-parallel-size addresses the engines of one server by "
                              "rank; several --upstream URLs are engines of their own: "
                              "give one or the other")
-        engines = dp if dp > 1 else len(self.upstreams)
+        engines = len(self.engine_urls)
         if self.engines_events:
             events = tuple(self.engines_events)
         elif dp > 1:
@@ -207,6 +207,14 @@ class SidecarConfig:
         if self.placement not in PLACERS:
             raise ValueError(f"unknown placement {self.placement!r}; choose one of "
                              f"{', '.join(sorted(PLACERS))}")
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The URL of each engine, by rank: the upstreams, or the one data-parallel server
+        once per rank."""
+        if self.data_parallel_size > 1:
+            return self.upstreams[:1] * self.data_parallel_size
+        return self.upstreams
         for name in ("admission_timeout_s", "idle_timeout_s", "step_interval_s",
                      "window_heartbeat_s", "bytes_per_token", "connect_timeout_s",
                      "flush_interval_s", "sse_keepalive_s"):

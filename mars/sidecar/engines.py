@@ -89,9 +89,8 @@ class EngineSet:
                  metrics: SidecarMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        dp = config.data_parallel_size
-        n = dp if dp > 1 else len(config.upstreams)
-        urls = config.upstreams * n if dp > 1 else config.upstreams
+        urls = config.engine_urls
+        n = len(urls)
         self.multi = n > 1
         self.router = SessionRouter(make_placer(config.placement))
         adm = config.admission_config
@@ -109,7 +108,8 @@ class EngineSet:
                                      connect_timeout_s=config.connect_timeout_s,
                                      read_timeout_s=config.read_timeout_s,
                                      max_connections=config.max_connections)
-            headers = ((RANK_HEADER, str(rank).encode()),) if dp > 1 else ()
+            headers = ((RANK_HEADER, str(rank).encode()),) \
+                if config.data_parallel_size > 1 else ()
             self.engines.append(Engine(rank, upstream, control, events, EngineTracker(rank),
                                        headers=headers))
         self._probe: asyncio.Task | None = None

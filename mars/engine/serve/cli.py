@@ -112,6 +112,11 @@ def given(argv: list[str], flag: str) -> bool:
                for a in argv)
 
 
+def _dp_size(args: argparse.Namespace) -> int:
+    """vLLM's data-parallel engines behind this server (``--data-parallel-size``)."""
+    return max(1, int(getattr(args, "data_parallel_size", 1) or 1))
+
+
 def default_events_endpoint(port: int) -> str:
     return f"ipc://{tempfile.gettempdir()}/mars-engine-{port}.ipc"
 
@@ -440,7 +445,7 @@ def start_sidecar(args: argparse.Namespace):
         cmd.append("--open-metrics")
     if getattr(args, "tool_cores", None):
         cmd += ["--tool-cores", str(args.tool_cores)]
-    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    dp = _dp_size(args)
     if dp > 1:  # vLLM's engines behind one API server: the sidecar places sessions on them
         cmd += ["--data-parallel-size", str(dp)]
     # keys travel in the environment, not argv (``ps`` shows argv to every local user)
@@ -521,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_mars_defaults(args, argv[1:], _is_cpu_platform())
     cmd.validate(args)
     lifecycle.sweep_stale_ipc(tempfile.gettempdir())  # left by servers that were killed
-    for rank in range(max(1, int(getattr(args, "data_parallel_size", 1) or 1))):
+    for rank in range(_dp_size(args)):
         lifecycle.remove_ipc_at_exit(rank_endpoint(
             args.additional_config["mars"]["events_endpoint"], rank))
     # a SIGTERM during the engine's start-up handshake must stop the start-up (vLLM drops it)
