@@ -135,7 +135,9 @@ def test_paper_scale_replay_completes(policy, tmp_path):
                "--out", str(out), "--no-plots", "--no-progress",
                "--events-file", srv.events_file]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        # on failure: the replay's report and each failed task's error, then the server's log
+        assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-3000:]
+                                      + "\nserver log:\n" + srv.tail(60))
         res = json.loads((out / "results.json").read_text())
         assert [t["status"] for t in res["tasks"]] == ["completed"] * 2, res["tasks"]
         rounds = [r for t in res["tasks"] for r in t["rounds"]]

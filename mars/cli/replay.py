@@ -221,6 +221,9 @@ def _finish(args: argparse.Namespace, trace: Trace, out: Path, result: RunResult
     print(format_report([result], slacks=args.slacks))
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
+    for t in result.tasks:
+        if t.status in ("error", "skipped") and t.error:
+            print(f"task {t.task_id} {t.status}: {t.error}", file=sys.stderr)
     print(f"\nresults: {out / 'results.json'}", file=sys.stderr)
     plots = [v for k, v in result.files.items() if v.endswith(".png")]
     if plots:

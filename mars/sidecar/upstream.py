@@ -178,6 +178,9 @@ class _Conn(asyncio.Protocol):
         self._parser_cls = parser_cls
         self.lost = False
         self.idle_since = 0.0
+        #: when the last response's final byte arrived: the server's keep-alive timer runs
+        #: from about then, not from when the relay got round to releasing the connection
+        self.completed_at = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -242,6 +245,7 @@ class _Conn(asyncio.Protocol):
         # only meaningful inside this callback: llhttp resets it for the next message
         self.keep_alive = self.parser.should_keep_alive()
         self.complete = True
+        self.completed_at = time.monotonic()
         self._wake()
 
     # --- used by the client -----------------------------------------------------------------
@@ -352,7 +356,7 @@ class FastUpstream(Upstream):
         if len(self._idle) >= self._max_idle:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = conn.completed_at or time.monotonic()
         self._idle.append(conn)
 
     async def _connect(self) -> _Conn:
@@ -379,7 +383,9 @@ class FastUpstream(Upstream):
             return await self._fallback.open(method, path, query, headers, body)
         head = self._head(method, path, query, headers, body)
         for attempt in (0, 1):
-            conn = self._get_idle()
+            # a retry takes a new connection: the other idle ones are as old as the one the
+            # server has just closed
+            conn = self._get_idle() if attempt == 0 else None
             reused = conn is not None
             if conn is None:
                 try:
