@@ -71,6 +71,10 @@ class BenchConfig:
     #: "GPU:MODEL" or a device profile: simulate every point in virtual time (``mars sim``)
     #: instead of serving it
     sim: str | None = None
+    #: simulated engines of the model behind one sidecar, and how sessions are placed on
+    #: them (``mars sim run --engines N --placement P``)
+    engines: int = 1
+    placement: str = "mars"
     #: rates of particular regimes (a preset's), instead of ``rates``
     regime_rates: dict[str, list[float]] = field(default_factory=dict)
     #: the preset this bench was made from (``--preset``), for the report
@@ -94,7 +98,10 @@ class BenchConfig:
                 "engine_cores": self.engine_cores, "tool_cores": self.tool_cores,
                 "pin": self.pin, "tool_burn": self.tool_burn, "tool_workers": self.tool_workers,
                 "sim": self.sim, "sim_profile_sha256": self._profile_digest(),
-                "regime_rates": self.regime_rates}
+                "regime_rates": self.regime_rates,
+                # (absent with one engine: benches from before several engines resume)
+                **({"engines": self.engines, "placement": self.placement}
+                   if self.engines > 1 else {})}
 
     def _profile_digest(self) -> str | None:
         """A device profile's content: re-calibrated at the same path, its points differ."""
@@ -277,6 +284,8 @@ def sim_command(cfg: BenchConfig, trace: Path, p: Point, ideal: str) -> list[str
            "--slacks", ",".join(f"{s:g}" for s in cfg.slacks)]
     if cfg.server_args:
         cmd += ["--engine-args", shlex.join(cfg.server_args)]
+    if cfg.engines > 1:
+        cmd += ["--engines", str(cfg.engines), "--placement", cfg.placement]
     if cfg.ideal_cache:
         cmd += ["--ideal-cache", cfg.ideal_cache]
     if not cfg.run_plots:

@@ -202,8 +202,10 @@ class Bench:
                  f"{'simulation(s)' if cfg.sim else 'server start(s)'}, "
                  f"{cfg.num_tasks} tasks per point; output {cfg.out}")
         if cfg.sim:
+            gpus = f"{cfg.engines} x {cfg.sim} (placement {cfg.placement})" \
+                if cfg.engines > 1 else cfg.sim
             self.say(f"mars bench: SIMULATED in virtual time (mars sim) on the EMULATED GPU "
-                     f"{cfg.sim}, {cfg.sim_tool_cores} virtual tool cores; {cfg.jobs} point(s) "
+                     f"{gpus}, {cfg.sim_tool_cores} virtual tool cores; {cfg.jobs} point(s) "
                      "at a time (virtual time: latencies stay comparable)")
         elif cfg.jobs > 1:
             self.say(f"mars bench: --jobs {cfg.jobs}: servers run concurrently and share the "

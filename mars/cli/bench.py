@@ -33,7 +33,8 @@ from mars.cli.types import cores as _cores
 from mars.cli.types import positive_float as _positive_float
 from mars.cli.types import positive_int as _positive_int
 from mars.cli.types import seeds as _seeds
-from mars.cli.types import add_ideal_cache, add_request_timeout, add_slacks, add_tool_workers
+from mars.cli.types import (add_engines, add_ideal_cache, add_request_timeout, add_slacks,
+                             add_tool_workers)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -79,6 +80,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             if getattr(args, flag):
                 raise BenchError(f"--{flag.replace('_', '-')} pins real processes; --sim runs "
                                  "in virtual time (use --tool-workers for its virtual tool cores)")
+    elif args.engines > 1:
+        raise BenchError("--engines simulates several engines (with --sim or --preset); a "
+                         "served bench starts one server per point: run mars replay against "
+                         "mars sidecar --upstream URL1,URL2,... for several served engines")
     return BenchConfig(
         regimes=regimes, rates=rates, policies=policies,
         out=Path(args.out) if args.out else default_out(regimes),
@@ -91,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tool_workers=args.tool_workers,
         request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
         run_plots=not args.no_run_plots, progress_interval=args.progress_interval,
-        resume=args.resume, sim=args.sim,
+        resume=args.resume, sim=args.sim, engines=args.engines, placement=args.placement,
         regime_rates={r: preset.rates(r) for r in regimes} if preset else {},
         preset=preset.name if preset else None)
 
@@ -238,6 +243,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "simulated engine; --tool-workers sets its virtual tool cores "
                         "(default 8), e.g. --sim h100-nvl:qwen3-coder-30b-a3b; or a device "
                         "profile from `mars emulate calibrate`")
+    add_engines(p)
     p.add_argument("--out", metavar="DIR", help="output directory (default runs/bench-<regimes>-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the bench in --out: reuse its finished points")

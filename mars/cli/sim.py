@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.cli.types import positive_int as _positive_int
-from mars.cli.types import add_ideal_cache, add_slacks
+from mars.cli.types import add_engines, add_ideal_cache, add_slacks
 
 DEFAULT_GPU = "h100-nvl"
 DEFAULT_MODEL = "qwen3-coder-30b-a3b"
@@ -89,7 +89,8 @@ def _host(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
-def point_config(args: argparse.Namespace, policy: str):
+def point_config(args: argparse.Namespace, policy: str, engines: int | None = None):
+    """The simulation of one policy; ``engines``: how many (default: ``--engines``)."""
     from mars.sim.host import HostModel
     from mars.sim.runner import SimConfig
 
@@ -98,7 +99,9 @@ def point_config(args: argparse.Namespace, policy: str):
                      tool_cores=args.tool_cores, seed=args.seed, slacks=tuple(args.slacks),
                      engine_args=tuple(shlex.split(args.engine_args)) if args.engine_args else (),
                      progress=not args.no_progress and args.jobs == 1,
-                     profile=args.profile)
+                     profile=args.profile,
+                     engines=getattr(args, "engines", 1) if engines is None else engines,
+                     placement=getattr(args, "placement", "mars"))
 
 
 def scheduling_class(engine_args: str) -> str:
@@ -147,7 +150,8 @@ def simulate_ideal(args: argparse.Namespace, trace, out: Path) -> dict[str, floa
         print(f"mars sim: ideal latencies from cache {cdir / (key + '.json')}", file=sys.stderr)
         return ideal
     print("mars sim: simulating ideal latencies (each task alone, fcfs)", file=sys.stderr)
-    sim = Simulation(point_config(args, IDEAL_POLICY))
+    # a task alone needs one engine, however many the point has: the ideal is the same
+    sim = Simulation(point_config(args, IDEAL_POLICY, engines=1))
     try:
         iso = sim.run(trace, "isolated", "ideal (isolated)")
     finally:
@@ -226,6 +230,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     _quiet_vllm()
     t0 = time.monotonic()
     what = point_config(args, args.policies[0]).target
+    if args.engines > 1:
+        what = f"{args.engines} x {what} (placement {args.placement})"
     print(f"mars sim: SIMULATED (virtual time) on the EMULATED {what}: "
           f"{trace.header.regime}, {len(trace)} tasks, {sum(t.num_rounds for t in trace)} rounds, "
           f"{args.tool_cores} virtual tool cores; policies {', '.join(args.policies)}",
@@ -313,6 +319,7 @@ def register(sub) -> None:
     r.add_argument("--tool-cores", type=_positive_int, default=8, metavar="N",
                    help="virtual CPU cores for CPU-bound tools; the sidecar's CPU cap is told "
                         "the same (default 8)")
+    add_engines(r)
     r.add_argument("--engine-args", default="", metavar="ARGS",
                    help="more `mars-vllm serve` arguments, one string (e.g. "
                         "'--max-num-seqs 256')")

@@ -96,3 +96,15 @@ def add_tool_workers(p: argparse.ArgumentParser) -> None:
 def add_request_timeout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=positive_float, default=3600.0, metavar="S",
                    help="per-call timeout in seconds (default 3600)")
+
+
+def add_engines(p: argparse.ArgumentParser) -> None:
+    """``--engines`` / ``--placement``: several engines of the model behind one sidecar."""
+    from mars.policy.control.placement import PLACERS
+
+    p.add_argument("--engines", type=positive_int, default=1, metavar="N",
+                   help="engines of the model (vLLM data parallelism), each its own emulated "
+                        "GPU and control plane, the host's tool cores shared (default 1)")
+    p.add_argument("--placement", choices=sorted(PLACERS), default="mars",
+                   help="how the sidecar places sessions on the engines (with --engines > 1; "
+                        "default mars; docs/control_plane.md)")

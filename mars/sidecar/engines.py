@@ -93,12 +93,7 @@ class EngineSet:
         n = len(urls)
         self.multi = n > 1
         self.router = SessionRouter(make_placer(config.placement))
-        adm = config.admission_config
-        if self.multi:
-            # tools run on this host's cores whichever engine their session is on: each
-            # engine's CPU cap gets an equal share of them
-            adm = dataclasses.replace(adm, pressure=dataclasses.replace(
-                adm.pressure, tool_cores=adm.pressure.tool_cores / n))
+        adm = config.admission_config.per_engine(n)
         self.engines: list[Engine] = []
         for rank, (url, events) in enumerate(zip(urls, config.engines_events)):
             control = ControlPlane(
@@ -236,13 +231,8 @@ class EngineSet:
             self.router.end(sid)
 
     def _load(self, e: Engine):
-        snap = e.control.snapshot()
-        sig = snap["signals"]
-        committed = int(snap.get("projected_blocks") or 0) - int(sig.get("used_blocks") or 0)
-        # (no admission: no window, budget None)
-        return e.tracker.load(alive=e.alive, sessions=self.router.sessions_on(e.rank),
-                              window=int(snap["budget"] or 0), committed_blocks=committed,
-                              inflight=snap["inflight"])
+        return e.tracker.load_with(e.control.snapshot(), alive=e.alive,
+                                   sessions=self.router.sessions_on(e.rank))
 
     def down(self, e: Engine) -> None:
         """``e`` refused a connection: place nothing there until it answers its health

@@ -43,8 +43,12 @@ class SimControl:
                  admitted: Callable[[SessionState, float], None],
                  failed: Callable[[SessionState, str, float], None],
                  record: Callable[[dict[str, Any]], None],
-                 running: Callable[[], bool] = lambda: True) -> None:
+                 running: Callable[[], bool] = lambda: True,
+                 engine: int | None = None) -> None:
+        """``engine``: this control plane's engine among several (its own events carry it,
+        as the served sidecar's do); None with one engine."""
         sc = self.sidecar = sidecar
+        self.engine = engine
         self.clock = clock
         self.timeline = timeline
         self._record = record
@@ -52,7 +56,7 @@ class SimControl:
         self.core = AdmissionCore(
             CoreConfig(admission=sc.admission, admission_config=sc.admission_config,
                        idle_timeout_s=sc.idle_timeout_s, window_heartbeat_s=sc.window_heartbeat_s),
-            Listener(emit=self.publish, admitted=self._on_admitted, ended=self._on_ended),
+            Listener(emit=self._own_event, admitted=self._on_admitted, ended=self._on_ended),
             oneshot_prefix="oneshot-sim-")
         self._kicked = False
         self._next_reap = 0.0
@@ -68,6 +72,11 @@ class SimControl:
         self._record(ev)
         if self.core.observe(ev, self.clock()):
             self._kicked = True
+
+    def _own_event(self, ev: dict[str, Any]) -> None:
+        if self.engine is not None:
+            ev["engine"] = self.engine
+        self.publish(ev)
 
     def emit(self, kind: str, *, session_id: str | None = None, ts: float | None = None,
              **fields: Any) -> None:

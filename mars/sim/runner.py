@@ -13,6 +13,18 @@ What the served stack does with ``mars replay --virtual-tool-cores N`` against
 * results are :class:`~mars.workloads.results.RunResult` (``results.json``) and every event of
   the unified stream (``events.jsonl``), with run-relative times in *virtual* seconds.
 
+Several engines of one model (``--engines N``, vLLM's data parallelism, issue #34): each is its
+own emulated GPU with its own control plane (session window, packing room, KV state from its
+own events, an equal share of the tool cores), and the sidecar's placement policy
+(:mod:`mars.policy.control.placement`) picks the engine of each session, from what each
+engine's events show, as ``mars sidecar --upstream URL1,URL2,...`` does. Each engine then has
+a clock of its own, the time its step in flight ends: the loop takes the earliest of the
+timeline's next callback and the engines' times, so that a step is computed with everything
+before it seen, and what it produced (outputs, events) is delivered at its end; a call that
+reaches an engine while its step is in flight joins its next step, as on the card
+(conservative discrete-event simulation: engines affect each other only through the sidecar,
+which acts on the timeline). One engine runs exactly as before: its clock is the world's.
+
 Liveness is checked, not assumed: a state where tasks wait and nothing runs or is due ends the
 run with :class:`SimError`, and so does a KV pool that does not balance at the end.
 """
@@ -24,10 +36,13 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mars.policy.control.placement import (PLACERS, Call, EngineTracker, SessionRouter,
+                                           make_placer)
 from mars.policy.registry import get_policy
 from mars.policy.control.admission_core import SessionState
 from mars.sim.clock import Timeline, VirtualClock
@@ -68,6 +83,17 @@ class SimConfig:
     profile: str | None = None
     #: the served host's per-round delays and tool overrun (mars.sim.host; default none)
     host: HostModel = HostModel()
+    #: engines of the model behind one sidecar (vLLM data parallelism), each an emulated GPU
+    engines: int = 1
+    #: how the sidecar places sessions on them (mars.policy.control.placement.PLACERS)
+    placement: str = "mars"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engines, int) or self.engines < 1:
+            raise ValueError(f"engines must be an integer >= 1, got {self.engines!r}")
+        if self.placement not in PLACERS:
+            raise ValueError(f"unknown placement {self.placement!r}; choose one of "
+                             f"{', '.join(sorted(PLACERS))}")
 
     @property
     def emulate(self) -> str:
@@ -83,11 +109,28 @@ class SimConfig:
 
 
 @dataclass(eq=False)
+class _Lane:
+    """One engine of the node and what drives it: its own control plane, its own clock (the
+    world's with one engine), what its events say for placement."""
+
+    rank: int
+    engine: Any  # SimEngine (vLLM imported only when one is built)
+    clock: VirtualClock
+    tracker: EngineTracker
+    control: SimControl | None = None
+    #: engine events published before the control plane existed (its scheduler_start)
+    early: list[dict[str, Any]] = field(default_factory=list)
+    #: holds requests but scheduled nothing at its time: waits until the world moves
+    stuck: bool = False
+
+
+@dataclass(eq=False)
 class _TaskRun:
     task: Task
     result: TaskResult
     script: TaskScript
     sid: str
+    lane: _Lane | None = None
     call: RoundCall | None = None
     session: SessionState | None = None
     rid: str = ""
@@ -99,8 +142,9 @@ class _TaskRun:
 
 
 class Simulation:
-    """One engine, one sidecar core, one set of tool cores: runs traces one after another
-    (the isolated run, then the load run, like ``mars replay --ideal auto``)."""
+    """One sidecar core per engine, one set of tool cores for the host, ``cfg.engines``
+    engines (one unless told): runs traces one after another (the isolated run, then the
+    load run, like ``mars replay --ideal auto``)."""
 
     def __init__(self, cfg: SimConfig, *, events_path: str | Path | None = None) -> None:
         from mars.engine.harness.sim_engine import SimEngine
@@ -110,19 +154,32 @@ class Simulation:
         self.timeline = Timeline()
         self._events_file = None
         self.events_recorded = 0
-        self.control: SimControl | None = None
-        self._early: list[dict[str, Any]] = []  # engine events before the control exists
-        self.engine = SimEngine(cfg.emulate, cfg.policy, clock=self.clock,
-                                sink=self._engine_event, extra_args=cfg.engine_args)
+        n = cfg.engines
+        self.multi = n > 1
+        self.lanes: list[_Lane] = []
+        for rank in range(n):
+            # one engine keeps the world's clock (exactly the single-engine simulator)
+            clock = VirtualClock(SIM_EPOCH) if self.multi else self.clock
+            lane = _Lane(rank, None, clock, EngineTracker(rank))
+            self.lanes.append(lane)
+            lane.engine = SimEngine(cfg.emulate, cfg.policy, clock=clock,
+                                    sink=partial(self._engine_event, lane),
+                                    extra_args=cfg.engine_args)
+        self.router = SessionRouter(make_placer(cfg.placement))
         self._events_file = open(events_path, "w", encoding="utf-8") if events_path else None
-        self.control = SimControl(
-            sidecar_config(get_policy(cfg.policy).sidecar_admission, cfg.tool_cores,
-                           self.engine.block_size),
-            self.clock, self.timeline, admitted=self._admitted, failed=self._failed,
-            record=self._record, running=lambda: self._unfinished > 0)
-        for ev in self._early:
-            self.control.publish(ev)
-        self._early.clear()
+        sc = sidecar_config(get_policy(cfg.policy).sidecar_admission, cfg.tool_cores,
+                            self.lanes[0].engine.block_size)
+        sc = replace(sc, admission_config=sc.admission_config.per_engine(n))
+        for lane in self.lanes:
+            lane.control = SimControl(
+                sc, self.clock, self.timeline, admitted=self._admitted, failed=self._failed,
+                record=self._record, running=lambda: self._unfinished > 0,
+                engine=lane.rank if self.multi else None)
+            for ev in lane.early:
+                self._deliver(lane, ev)
+            lane.early.clear()
+        #: the first engine and its control plane (the only ones with one engine)
+        self.engine, self.control = self.lanes[0].engine, self.lanes[0].control
         self.cores = VirtualCores(cfg.tool_cores, self.timeline)
         self._live: dict[str, _TaskRun] = {}  # engine request id -> its task
         self._queued: dict[str, list[_TaskRun]] = {}  # session id -> rounds waiting for it
@@ -143,11 +200,24 @@ class Simulation:
         if self._events_file is not None:
             self._events_file.write(json.dumps(ev, separators=(",", ":")) + "\n")
 
-    def _engine_event(self, ev: dict[str, Any]) -> None:
-        if self.control is None:
-            self._early.append(ev)
+    def _engine_event(self, lane: _Lane, ev: dict[str, Any]) -> None:
+        if lane.control is None:
+            lane.early.append(ev)
+        elif not self.multi:
+            lane.control.publish(ev)
         else:
-            self.control.publish(ev)
+            # published during a step computed ahead of the world: seen when it happens
+            self.timeline.at(max(ev["ts"], self.clock()),
+                             lambda t, lane=lane, ev=ev: self._deliver(lane, ev))
+
+    def _deliver(self, lane: _Lane, ev: dict[str, Any]) -> None:
+        """An engine's event reaches the sidecar: its engine's tracker and control plane."""
+        if self.multi:
+            ev["engine"] = lane.rank
+            lane.tracker.observe(ev)
+            if ev.get("kind") == "kv_snapshot":
+                self.router.placer.snapshot(lane.rank)
+        lane.control.publish(ev)
 
     # ------------------------------------------------------------------ a run
     def run(self, trace: Trace, mode: str = "load", label: str | None = None,
@@ -157,8 +227,9 @@ class Simulation:
         space = TokenSpace(cfg.seed, cfg.token_range[0], cfg.token_range[1], salt)
         self._t0 = t0 = self.clock()
         wall0 = time.monotonic()
-        steps0 = self.engine.pacer_stats.steps
-        preempt0 = self.engine.counters()["preempted"]
+        steps0 = self._steps()
+        preempt0 = self._preempted()
+        moves0, switches0 = self.router.moves, self.router.switches
         runs = [_TaskRun(t, TaskResult(t.task_id, t.arrival_s if mode == "load" else math.nan,
                                        t.num_rounds),
                          TaskScript(t, space, job_id(t.task_id, mode), self.engine.max_model_len),
@@ -181,14 +252,16 @@ class Simulation:
             self._on_task_end = next_task
             next_task(None, t0)
         try:
-            self._loop()
+            self._loop_engines() if self.multi else self._loop()
         finally:
             if self._bar is not None:
                 self._bar.close()
         t1 = self.clock()
-        ok, acc = self.engine.kv_balanced()
-        if not ok:
-            raise SimError(f"KV blocks do not balance after the run: {acc}")
+        for lane in self.lanes:
+            ok, acc = lane.engine.kv_balanced()
+            if not ok:
+                raise SimError(f"KV blocks do not balance after the run"
+                               f"{f' on engine {lane.rank}' if self.multi else ''}: {acc}")
         for r in runs:
             if ideal is not None and r.task.task_id in ideal:
                 r.result.ideal_s = ideal[r.task.task_id]
@@ -202,7 +275,9 @@ class Simulation:
                                      "enable_prefix_caching": True},
                     "system_fingerprint": None,
                     "emulated": {"gpu": cfg.gpu, "model": cfg.model, "simulated": True,
-                                 "profile": cfg.profile}},
+                                 "profile": cfg.profile},
+                    **({"engines": cfg.engines, "placement": cfg.placement}
+                       if self.multi else {})},
             config={"token_range": list(cfg.token_range), "seed": cfg.seed, "salt": salt,
                     "tool_cores": [], "tool_workers": cfg.tool_cores, "tool_burn": "virtual",
                     "policy": cfg.policy, "engine_args": list(cfg.engine_args),
@@ -210,17 +285,28 @@ class Simulation:
                     "slacks": list(cfg.slacks)},
             run={"start_unix": t0, "end_unix": t1, "wall_s": t1 - t0, "interrupted": False,
                  "simulated": True, "sim_wall_s": round(time.monotonic() - wall0, 3),
-                 "engine_steps": eng.pacer_stats.steps - steps0,
+                 "engine_steps": self._steps() - steps0,
                  "scheduling": "async" if eng.async_scheduling else "sync",
+                 **({"session_moves": self.router.moves - moves0,
+                     "session_switches": self.router.switches - switches0}
+                    if self.multi else {}),
                  "command": list(sys.argv)},
             tasks=[r.result for r in runs],
             server_metrics={"vllm:num_preemptions_total":
-                            float(eng.counters()["preempted"] - preempt0)},
+                            float(self._preempted() - preempt0)},
         )
         result.cached_tokens_source = "usage"
-        result.notes.append(f"SIMULATED in virtual time: vLLM's engine on the EMULATED "
-                            f"{cfg.target} (step-time model); times are virtual seconds")
+        engines = f", {cfg.engines} engines, placement {cfg.placement}" if self.multi else ""
+        result.notes.append(
+            f"SIMULATED in virtual time: vLLM's engine on the EMULATED {cfg.target} "
+            f"(step-time model){engines}; times are virtual seconds")
         return result.finalize(cfg.slacks)
+
+    def _steps(self) -> int:
+        return sum(lane.engine.pacer_stats.steps for lane in self.lanes)
+
+    def _preempted(self) -> int:
+        return sum(lane.engine.counters()["preempted"] for lane in self.lanes)
 
     def _loop(self) -> None:
         clock, tl, eng, control = self.clock, self.timeline, self.engine, self.control
@@ -244,25 +330,72 @@ class Simulation:
                     stalled_since = None
                     continue
                 # the engine holds requests but scheduled nothing: only time can help
-            if self._tools_running or self._arrivals_pending or self._in_host:
-                stalled_since = None
-            elif stalled_since is None:
-                stalled_since = now
-            elif now - stalled_since > grace:
-                raise self._stall(f"nothing has run for {now - stalled_since:.1f} s")
+            stalled_since = self._stalled(now, stalled_since, grace)
+            self._advance(tl.next_due())
+
+    def _loop_engines(self) -> None:
+        """:meth:`_loop` for several engines, each on its own clock (the module docstring)."""
+        clock, tl, lanes = self.clock, self.timeline, self.lanes
+        stalled_since: float | None = None
+        grace = 4 * lanes[0].control.sidecar.step_interval_s + 1.0
+        while self._unfinished:
+            now = clock()
+            if tl.run_due(now):
+                for lane in lanes:  # the world moved: what was stuck may go now
+                    lane.stuck = False
+            for lane in lanes:
+                lane.control.settle(now)
+            if not self._unfinished:
+                break
+            ready = [lane for lane in lanes if not lane.stuck and lane.engine.has_work]
             nxt = tl.next_due()
-            if nxt is None:
-                raise self._stall("nothing is due")
-            clock.advance_to(nxt)
+            if ready:
+                stalled_since = None
+                # an idle engine's clock lags the world's: it starts when the world is there
+                lane = min(ready, key=lambda ln: (max(ln.clock(), now), ln.rank))
+                at = max(lane.clock(), now)
+                if nxt is None or at < nxt:  # (a tie: the timeline's callbacks first)
+                    clock.advance_to(at)
+                    lane.clock.advance_to(at)
+                    before = lane.engine.progress
+                    outs = lane.engine.step()
+                    if outs:
+                        tl.at(lane.clock(), lambda t, outs=outs: self._outputs(outs, t))
+                    # the engine holds requests but scheduled nothing: only the world can help
+                    lane.stuck = lane.engine.progress == before
+                    continue
+            else:
+                stalled_since = self._stalled(now, stalled_since, grace)
+            self._advance(nxt)
+
+    def _stalled(self, now: float, since: float | None, grace: float) -> float | None:
+        """Since when nothing has run (no engine step, no tool, no arrival or host delay to
+        come), or None; a stall longer than ``grace`` is a liveness failure."""
+        if self._tools_running or self._arrivals_pending or self._in_host:
+            return None
+        if since is None:
+            return now
+        if now - since > grace:
+            raise self._stall(f"nothing has run for {now - since:.1f} s")
+        return since
+
+    def _advance(self, nxt: float | None) -> None:
+        if nxt is None:
+            raise self._stall("nothing is due")
+        self.clock.advance_to(nxt)
 
     def _stall(self, what: str) -> SimError:
-        eng, core = self.engine, self.control.core
+        queued = sum(lane.control.core.queued for lane in self.lanes)
+        admitted = sum(lane.control.core.in_use for lane in self.lanes)
+        engines = "; ".join(
+            f"{f'engine {ln.rank} ' if self.multi else 'the engine '}"
+            f"{'holds requests it does not schedule' if ln.engine.has_work else 'is idle'} "
+            f"(running {len(ln.engine.scheduler.running)}, waiting "
+            f"{len(ln.engine.scheduler.waiting)})" for ln in self.lanes)
         return SimError(
-            f"liveness: {self._unfinished} tasks unfinished, {what}: the engine "
-            f"{'holds requests it does not schedule' if eng.has_work else 'is idle'}, no tool "
-            f"runs, no task is still to arrive (sessions queued: {core.queued}, admitted: "
-            f"{core.in_use}, engine running {len(eng.scheduler.running)}, waiting "
-            f"{len(eng.scheduler.waiting)})")
+            f"liveness: {self._unfinished} tasks unfinished, {what}: {engines}; no tool "
+            f"runs, no task is still to arrive (sessions queued: {queued}, admitted: "
+            f"{admitted})")
 
     # ------------------------------------------------------------------ tasks
     def _start_task(self, r: _TaskRun, t: float) -> None:
@@ -284,9 +417,14 @@ class Simulation:
         tr = r.result
         if tr.rounds and tr.status in ("completed", "truncated"):
             tr.finish_s = tr.rounds[-1].end_s
-        if tr.status in ("truncated", "error"):
+        if tr.status in ("truncated", "error") and r.lane is not None:
             # the replay tells the sidecar the session is over (it never sent last_round)
-            self.control.end_session(r.sid, {"truncated": "deleted"}.get(tr.status, "error"), t)
+            r.lane.control.end_session(r.sid, {"truncated": "deleted"}.get(tr.status, "error"),
+                                       t)
+        if self.multi:
+            self.router.end(r.sid)
+            for lane in self.lanes:
+                lane.tracker.forget(r.sid)
         self._unfinished -= 1
         if self._bar is not None:
             self._bar.update(1)
@@ -301,8 +439,9 @@ class Simulation:
     def _submit(self, r: _TaskRun, t: float) -> None:
         r.call = call = r.script.call()
         r.submit, r.first, r.cached, r.generated = t, None, None, []
+        r.lane = lane = self._place(r, len(call.prompt), t)
         try:
-            s = self.control.arrive(r.sid, t, len(call.prompt))
+            s = lane.control.arrive(r.sid, t, len(call.prompt))
         except QueueFull as exc:
             self._fail(r, f"HTTP 429: {exc}: retry later", t)
             return
@@ -311,6 +450,25 @@ class Simulation:
             self._forward(r, t)
         else:
             self._queued.setdefault(s.id, []).append(r)
+
+    def _place(self, r: _TaskRun, prompt_tokens: int, t: float) -> _Lane:
+        """The engine of the session's call: the sidecar's placement (EngineSet.place)."""
+        if not self.multi:
+            return self.lanes[0]
+        router, lanes = self.router, self.lanes
+        known = router.engine_of(r.sid)
+        if known is not None and router.placer.sticky:
+            return lanes[known]
+        call = Call(r.sid, prompt_tokens, {ln.rank: ln.tracker.cached_tokens(r.sid)
+                                           for ln in lanes})
+        d = router.route(call, [ln.tracker.load_with(
+            ln.control.core.snapshot(t), sessions=router.sessions_on(ln.rank)) for ln in lanes])
+        if known is not None and known != d.rank:
+            # a per-call placer sent the session away from its cached context: it leaves
+            # that engine (between its calls, so it holds nothing in flight there)
+            lanes[known].control.end_session(r.sid, "switched", t)
+            lanes[known].tracker.forget(r.sid)
+        return lanes[d.rank]
 
     def _admitted(self, s: SessionState, now: float) -> None:
         for r in self._queued.pop(s.id, []):
@@ -325,21 +483,26 @@ class Simulation:
         assert call is not None and r.session is not None
         r.forward = t
         r.rid = f"{r.sid}.r{call.index}"
-        self.control.forward(r.session, t, call.last)
-        self.control.emit("request_start", session_id=r.sid, ts=t, request_id=r.rid,
-                          round=call.index)
+        ctl = r.lane.control
+        ctl.forward(r.session, t, call.last)
+        ctl.emit("request_start", session_id=r.sid, ts=t, request_id=r.rid, round=call.index)
         self._live[r.rid] = r
         delay = self.cfg.host.request_s
         if delay > 0:
             self._in_host += 1
 
-            def arrive(_: float, r: _TaskRun = r, call: RoundCall = call) -> None:
+            def arrive(_: float, r: _TaskRun = r) -> None:
                 self._in_host -= 1
-                self.engine.add(r.rid, call.prompt, call.output_tokens,
-                                call.meta.to_extra_args())
+                self._add(r)
             self.timeline.at(t + delay, arrive)
         else:
-            self.engine.add(r.rid, call.prompt, call.output_tokens, call.meta.to_extra_args())
+            self._add(r)
+
+    def _add(self, r: _TaskRun) -> None:
+        """The call reaches its engine (an idle engine's clock comes up to the world's)."""
+        lane, call = r.lane, r.call
+        lane.clock.advance_to(self.clock())
+        lane.engine.add(r.rid, call.prompt, call.output_tokens, call.meta.to_extra_args())
 
     def _outputs(self, outs, now: float) -> None:
         live = self._live
@@ -375,9 +538,10 @@ class Simulation:
             cached_tokens=r.cached, request_id=r.rid)
         r.result.rounds.append(rr)
         # the sidecar times a call from its receipt, admission wait included
-        self.control.emit("request_end", session_id=r.sid, ts=now, request_id=r.rid,
-                          status=200, duration_s=now - r.submit)
-        self.control.finish(r.session, "ok", now)
+        ctl = r.lane.control
+        ctl.emit("request_end", session_id=r.sid, ts=now, request_id=r.rid,
+                 status=200, duration_s=now - r.submit)
+        ctl.finish(r.session, "ok", now)
         if call.last:
             r.result.status = "completed"
             self._task_done(r, now)
@@ -390,7 +554,7 @@ class Simulation:
         self._tool(r, call, rr, now)
 
     def _tool(self, r: _TaskRun, call: RoundCall, rr: RoundResult, now: float) -> None:
-        rnd, ctl, t0 = call.round, self.control, self._t0
+        rnd, ctl, t0 = call.round, r.lane.control, self._t0
         tool, call_id = rnd.tool, f"{r.sid}.r{call.index}"
         rr.tool, rr.tool_cpu_bound, rr.tool_duration_s = tool, rnd.cpu_bound, rnd.tool_duration_s
         rr.tool_enqueue_s = now - t0
@@ -417,7 +581,8 @@ class Simulation:
 
     def close(self) -> None:
         try:
-            self.engine.close()
+            for lane in self.lanes:
+                lane.engine.close()
         finally:
             if self._events_file is not None:
                 self._events_file.close()

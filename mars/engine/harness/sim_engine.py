@@ -163,6 +163,8 @@ class SimEngine:
         nothing more can be scheduled, read the oldest step's outputs (the clock moves to
         its end)."""
         read = self.pacer.read
+        # the stats this engine's snapshots report (several engines share the process)
+        set_active(self.pacer)
         outputs, executed = self.core.step_fn()
         if executed or self.pacer.read != read:
             self.progress += 1

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
 from mars.policy.control.window import WindowController, AIMDConfig, WindowDecision
@@ -85,6 +85,15 @@ class AdmissionConfig:
         if fill is not None and not (isinstance(fill, (int, float)) and math.isfinite(fill)
                                      and fill > 0):
             raise ValueError("projected_fill must be a finite number > 0 (or None: off)")
+
+    def per_engine(self, engines: int) -> "AdmissionConfig":
+        """This configuration for one of ``engines`` engines on one host: the tools of every
+        engine's sessions run on the same cores, so each engine's CPU cap counts an equal
+        share of them (the rest is per engine already: each has its own window and pool)."""
+        if engines <= 1:
+            return self
+        return replace(self, pressure=replace(
+            self.pressure, tool_cores=self.pressure.tool_cores / engines))
 
 
 @dataclass(slots=True)

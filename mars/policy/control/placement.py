@@ -428,6 +428,17 @@ class EngineTracker:
         """The session is over: its context is no reason to come back here."""
         self._cached.pop(session_id, None)
 
+    def load_with(self, control: Mapping, *, alive: bool = True,
+                  sessions: int = 0) -> EngineLoad:
+        """The load with what the engine's control plane knows (its
+        :meth:`~mars.policy.control.admission_core.AdmissionCore.snapshot`): the window (its
+        budget; none without admission), the calls in flight, and the blocks its admitted
+        sessions are projected to grow into beyond what they use now."""
+        used = int((control.get("signals") or {}).get("used_blocks") or 0)
+        return self.load(alive=alive, sessions=sessions, window=int(control.get("budget") or 0),
+                         committed_blocks=int(control.get("projected_blocks") or 0) - used,
+                         inflight=int(control.get("inflight") or 0))
+
     def load(self, *, alive: bool = True, sessions: int = 0, window: int = 0,
              committed_blocks: int = 0, inflight: int = 0,
              prefill_tokens_per_s: float = 10_000.0) -> EngineLoad:
