@@ -6,7 +6,8 @@ Rows: every placement of :data:`mars.policy.control.placement.PLACERS` x every i
 and (``--static``) an *ideal static partition*: the trace's sessions dealt round-robin by
 arrival over N separate single-engine MARS simulations, each with 1/N of the tool cores,
 pooled (no placement decision at all, every session's engine known in advance and the
-sessions spread evenly: the bound a placement should come close to). Columns: mean and P90
+sessions spread evenly by count: the reference the issue names; not a bound, since dealing
+by count does not balance the work and each part has private tool cores). Columns: mean and P90
 task latency, goodput at slack 3, the context prefilled again in later rounds (tokens a
 session's engine did not hold), sessions moved (engine gone) and switched (sent away from its
 cached context by a per-call placer), and the mean latency relative to MARS's placement with
@@ -23,6 +24,7 @@ under fcfs on one engine, cached as ``mars sim`` caches them.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -38,8 +40,8 @@ GPU, MODEL = "h100-nvl", "qwen3-coder-30b-a3b"
 
 
 def sim(trace: Path, out: Path, policy: str, engines: int, placement: str, tool_cores: int,
-        args: argparse.Namespace) -> Path:
-    cmd = [sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace),
+        args: argparse.Namespace, ideal: str = "auto") -> Path:
+    cmd = [sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace), "--ideal", ideal,
            "--gpu", args.gpu, "--model", args.model, "--policies", policy, "--flat",
            "--out", str(out), "--seed", str(args.seed), "--tool-cores", str(tool_cores),
            "--engines", str(engines), "--placement", placement, "--no-plots", "--no-progress"]
@@ -131,12 +133,18 @@ def main() -> int:
     print(f"placement: {args.regime} at {args.rate} tasks/s, {args.num_tasks} tasks, "
           f"{args.engines} x EMULATED {args.gpu} x {args.model}, {len(jobs)} simulations",
           file=sys.stderr, flush=True)
-    # the first alone: it simulates the ideal latencies the others then read from the cache
+    # the first alone: it simulates the ideal latencies (each task alone on one engine); the
+    # others read them from the cache, the static parts from a file (their traces differ)
     first = next(iter(jobs))
     paths = {first: sim(*jobs[first], args)}
+    ideal = out / "ideal.json"
+    ideal.write_text(json.dumps({t.task_id: t.ideal_s for t in read_results(paths[first]).tasks
+                                 if t.ideal_s is not None}))
     rest = [k for k in jobs if k != first]
     with ThreadPoolExecutor(args.jobs) as ex:
-        paths.update(zip(rest, ex.map(lambda k: sim(*jobs[k], args), rest)))
+        paths.update(zip(rest, ex.map(
+            lambda k: sim(*jobs[k], args, str(ideal) if k.startswith("static-") else "auto"),
+            rest)))
     res = {k: read_results(p) for k, p in paths.items()}
     slacks = tuple(float(s) for s in res[next(iter(res))].config.get("slacks") or (2, 3, 5))
     lines = [f"SIMULATED, EMULATED GPU: {args.engines} x {args.gpu} x {args.model}, "

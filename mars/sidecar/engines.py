@@ -33,8 +33,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from mars.policy.control.placement import (Call, Decision, EngineTracker, NoEngineError,
-                                           SessionRouter, make_placer)
+from mars.policy.control.placement import (LEAVING, Call, Decision, EngineTracker,
+                                           NoEngineError, SessionRouter, make_placer)
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.control import ControlPlane, Session
 from mars.sidecar.metrics import SidecarMetrics
@@ -46,8 +46,6 @@ log = logging.getLogger("mars.sidecar.engines")
 #: vLLM's header that sends a request to one engine of a data-parallel server (lower case, as
 #: ASGI gives header names)
 RANK_HEADER = b"x-data-parallel-rank"
-#: session_end reasons that mean "on to another engine", not "over"
-LEAVING = frozenset({"moved", "switched"})
 #: seconds between two health probes of a down engine
 PROBE_INTERVAL_S = 1.0
 

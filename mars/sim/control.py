@@ -44,11 +44,14 @@ class SimControl:
                  failed: Callable[[SessionState, str, float], None],
                  record: Callable[[dict[str, Any]], None],
                  running: Callable[[], bool] = lambda: True,
-                 engine: int | None = None) -> None:
+                 engine: int | None = None,
+                 on_ended: Callable[[str, str], None] | None = None) -> None:
         """``engine``: this control plane's engine among several (its own events carry it,
-        as the served sidecar's do); None with one engine."""
+        as the served sidecar's do); None with one engine. ``on_ended(session_id, reason)``:
+        told of every session that ends here."""
         sc = self.sidecar = sidecar
         self.engine = engine
+        self._on_ended_hook = on_ended
         self.clock = clock
         self.timeline = timeline
         self._record = record
@@ -131,6 +134,8 @@ class SimControl:
             self._admitted(s, now)
 
     def _on_ended(self, s: SessionState, reason: str) -> None:
+        if self._on_ended_hook is not None:
+            self._on_ended_hook(s.id, reason)
         if s.waiting and not s.is_admitted:
             s.waiting = 0
             self._failed(s, f"session {s.id!r} ended ({reason}) while queued", self.clock())

@@ -31,6 +31,7 @@ run with :class:`SimError`, and so does a KV pool that does not balance at the e
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -41,8 +42,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mars.policy.control.placement import (PLACERS, Call, EngineTracker, SessionRouter,
-                                           make_placer)
+from mars.policy.control.placement import (LEAVING, PLACERS, Call, EngineTracker,
+                                           SessionRouter, make_placer)
 from mars.policy.registry import get_policy
 from mars.policy.control.admission_core import SessionState
 from mars.sim.clock import Timeline, VirtualClock
@@ -156,6 +157,10 @@ class Simulation:
         self.events_recorded = 0
         n = cfg.engines
         self.multi = n > 1
+        self._in_run = False
+        self._event_seq = itertools.count()
+        #: engine events published ahead of the world, by sequence number (several engines)
+        self._undelivered: dict[int, tuple[_Lane, dict[str, Any]]] = {}
         self.lanes: list[_Lane] = []
         for rank in range(n):
             # one engine keeps the world's clock (exactly the single-engine simulator)
@@ -174,7 +179,8 @@ class Simulation:
             lane.control = SimControl(
                 sc, self.clock, self.timeline, admitted=self._admitted, failed=self._failed,
                 record=self._record, running=lambda: self._unfinished > 0,
-                engine=lane.rank if self.multi else None)
+                engine=lane.rank if self.multi else None,
+                on_ended=partial(self._session_ended, lane))
             for ev in lane.early:
                 self._deliver(lane, ev)
             lane.early.clear()
@@ -205,10 +211,24 @@ class Simulation:
             lane.early.append(ev)
         elif not self.multi:
             lane.control.publish(ev)
+        elif not self._in_run:  # (an engine's shutdown: nothing else happens any more)
+            self._deliver(lane, ev)
         else:
             # published during a step computed ahead of the world: seen when it happens
-            self.timeline.at(max(ev["ts"], self.clock()),
-                             lambda t, lane=lane, ev=ev: self._deliver(lane, ev))
+            k = next(self._event_seq)
+            self._undelivered[k] = (lane, ev)
+            self.timeline.at(max(ev["ts"], self.clock()), lambda t, k=k: self._due(k))
+
+    def _due(self, k: int) -> None:
+        got = self._undelivered.pop(k, None)
+        if got is not None:
+            self._deliver(*got)
+
+    def _flush_events(self) -> None:
+        """What engines published ahead of the world when the last task ended: recorded in
+        time order, as one engine's events are."""
+        for k in sorted(self._undelivered, key=lambda k: (self._undelivered[k][1]["ts"], k)):
+            self._due(k)
 
     def _deliver(self, lane: _Lane, ev: dict[str, Any]) -> None:
         """An engine's event reaches the sidecar: its engine's tracker and control plane."""
@@ -251,9 +271,12 @@ class Simulation:
 
             self._on_task_end = next_task
             next_task(None, t0)
+        self._in_run = True
         try:
             self._loop_engines() if self.multi else self._loop()
         finally:
+            self._in_run = False
+            self._flush_events()
             if self._bar is not None:
                 self._bar.close()
         t1 = self.clock()
@@ -350,7 +373,6 @@ class Simulation:
             ready = [lane for lane in lanes if not lane.stuck and lane.engine.has_work]
             nxt = tl.next_due()
             if ready:
-                stalled_since = None
                 # an idle engine's clock lags the world's: it starts when the world is there
                 lane = min(ready, key=lambda ln: (max(ln.clock(), now), ln.rank))
                 at = max(lane.clock(), now)
@@ -361,9 +383,15 @@ class Simulation:
                     outs = lane.engine.step()
                     if outs:
                         tl.at(lane.clock(), lambda t, outs=outs: self._outputs(outs, t))
-                    # the engine holds requests but scheduled nothing: only the world can help
-                    lane.stuck = lane.engine.progress == before
+                    if lane.engine.progress != before:
+                        stalled_since = None
+                    else:
+                        # it holds requests but scheduled nothing: only the world can help
+                        # (whatever the timeline runs next makes it try again)
+                        lane.stuck = True
                     continue
+            if any(ln.engine.has_work and ln.clock() > now for ln in lanes):
+                stalled_since = None  # a step is in flight
             else:
                 stalled_since = self._stalled(now, stalled_since, grace)
             self._advance(nxt)
@@ -469,6 +497,15 @@ class Simulation:
             lanes[known].control.end_session(r.sid, "switched", t)
             lanes[known].tracker.forget(r.sid)
         return lanes[d.rank]
+
+    def _session_ended(self, lane: _Lane, sid: str, reason: str) -> None:
+        """A session ended on ``lane`` (its last round, a deletion, idle reaping): forget
+        where it was, unless it is leaving for another engine (as the served EngineSet)."""
+        if not self.multi:
+            return
+        lane.tracker.forget(sid)
+        if reason not in LEAVING and self.router.engine_of(sid) == lane.rank:
+            self.router.end(sid)
 
     def _admitted(self, s: SessionState, now: float) -> None:
         for r in self._queued.pop(s.id, []):
@@ -580,6 +617,11 @@ class Simulation:
         run = self.cores.submit(now, took, rnd.cpu_bound, started, ended)
 
     def close(self) -> None:
+        # the engines shut down together, after everything any of them did (their last
+        # events are stamped then)
+        end = max([self.clock()] + [lane.clock() for lane in self.lanes])
+        for lane in self.lanes:
+            lane.clock.advance_to(end)
         try:
             for lane in self.lanes:
                 lane.engine.close()

@@ -105,6 +105,10 @@ class Call:
     cached_tokens: Mapping[int, int] = field(default_factory=dict)
 
 
+#: session_end reasons that mean "on to another engine", not "over"
+LEAVING = frozenset({"moved", "switched"})
+
+
 class NoEngineError(RuntimeError):
     """Every engine is gone: nothing can serve the call (the sidecar answers 503)."""
 
