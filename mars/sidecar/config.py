@@ -207,14 +207,6 @@ class SidecarConfig:
         if self.placement not in PLACERS:
             raise ValueError(f"unknown placement {self.placement!r}; choose one of "
                              f"{', '.join(sorted(PLACERS))}")
-
-    @property
-    def engine_urls(self) -> tuple[str, ...]:
-        """The URL of each engine, by rank: the upstreams, or the one data-parallel server
-        once per rank."""
-        if self.data_parallel_size > 1:
-            return self.upstreams[:1] * self.data_parallel_size
-        return self.upstreams
         for name in ("admission_timeout_s", "idle_timeout_s", "step_interval_s",
                      "window_heartbeat_s", "bytes_per_token", "connect_timeout_s",
                      "flush_interval_s", "sse_keepalive_s"):
@@ -233,3 +225,11 @@ class SidecarConfig:
             raise ValueError("API keys must not contain whitespace")
         if self.retry_after_s < 0 or self.max_connections < 1 or self.sse_queue < 1:
             raise ValueError("retry_after_s must be >= 0, max_connections and sse_queue >= 1")
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The URL of each engine, by rank: the upstreams, or the one data-parallel server
+        once per rank."""
+        if self.data_parallel_size > 1:
+            return self.upstreams[:1] * self.data_parallel_size
+        return self.upstreams
