@@ -88,3 +88,30 @@ def test_coefficients_are_checked():
         StepCoefficients(step_overhead_s=-1)
     with pytest.raises(ValueError):
         get_gpu("a100")
+
+
+@pytest.mark.parametrize("model", [QWEN, OSS], ids=["moe", "sliding"])
+def test_steps_priced_together_cost_what_each_costs_alone(model):
+    """The calibration fit prices all its samples at once (``StepWork.stack``); the formula
+    over arrays must give each step exactly its own time, with the occupancy and cache
+    terms on, for MoE and sliding-window models."""
+    import random
+
+    from mars.emulate import StepWork
+
+    rng = random.Random(3)
+    coefs = [StepCoefficients(),
+             StepCoefficients(attention_parallelism=64.0, attention_occupancy_exponent=0.7,
+                              cache_bytes=32 * 2**20, cache_bandwidth_ratio=4.0)]
+    for coef in coefs:
+        m = StepTimeModel(model, get_gpu("h100"), coef)
+        works = [m.work([(rng.choice([1, 1, 7, 512, 2048]), rng.randrange(0, 60_000))
+                         for _ in range(rng.randrange(1, 9))]) for _ in range(200)]
+        together = m.time_of(StepWork.stack(works))
+        for i, w in enumerate(works):
+            alone = m.time_of(w)
+            for part in ("projections", "mlp", "attention", "logits", "overhead"):
+                assert getattr(together, part)[i] == pytest.approx(getattr(alone, part),
+                                                                   rel=1e-12)
+    with pytest.raises(ValueError, match="compute tokens"):
+        StepWork.stack([m.work([(0, 10)])])

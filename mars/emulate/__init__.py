@@ -8,7 +8,7 @@ Every number that comes from here is an *emulated* GPU's, and is named so wherev
 """
 
 from mars.emulate.specs import GPUS, MODELS, GpuSpec, ModelSpec, get_gpu, get_model
-from mars.emulate.step_time import BatchEntry, StepCoefficients, StepTimeModel
+from mars.emulate.step_time import BatchEntry, StepCoefficients, StepTimeModel, StepWork
 
 __all__ = ["BatchEntry", "GPUS", "GpuSpec", "MODELS", "ModelSpec", "StepCoefficients",
-           "StepTimeModel", "get_gpu", "get_model"]
+           "StepTimeModel", "StepWork", "get_gpu", "get_model"]

@@ -26,8 +26,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from mars.emulate.specs import GpuSpec, ModelSpec
-from mars.emulate.step_time import StepCoefficients, StepTimeModel
+from mars.emulate.step_time import StepCoefficients, StepTimeModel, StepWork
 
 #: the fitted fields, in the order of the search vector (all searched as logarithms but the
 #: exponent)
@@ -188,14 +190,14 @@ def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: fl
     return pts[i], vals[i]
 
 
-def robust_loss(r: float, scale: float) -> float:
+def robust_loss(r, scale: float):
     """Pseudo-Huber loss of a log ratio: ``r^2`` for ``|r| << scale``, growing only linearly
     beyond. A step slowed by something else on the machine (another process, a page fault)
     is a large positive ``r`` that squared error would let pull the whole fit; this counts
-    it as one sample among many. ``scale = inf``: plain squared error."""
+    it as one sample among many. ``scale = inf``: plain squared error. ``r`` may be an array."""
     if math.isinf(scale):
         return r * r
-    return 2 * scale * scale * (math.sqrt(1 + (r / scale) ** 2) - 1)
+    return 2 * scale * scale * ((1 + (r / scale) ** 2) ** 0.5 - 1)
 
 
 #: log-ratio scale of the robust loss: errors up to ~10 % count as squared error
@@ -212,22 +214,23 @@ def fit_coefficients(model: ModelSpec, gpu: GpuSpec, samples: Sequence[Measured]
     good = [s for s in samples if s.seconds > 0 and any(n > 0 for n, _ in s.batch)]
     if len(good) < 2 * len(FITTED):
         raise ValueError(f"{len(good)} usable samples; the fit needs at least {2 * len(FITTED)}")
-    logs = [math.log(s.seconds) for s in good]
+    logs = np.log([s.seconds for s in good])
     # the smallest step bounds the overheads; start them at fractions of it
     t_min = min(s.seconds for s in good)
     best_c, best_v = None, math.inf
     for tile in QUERY_TILES:
         tiled = replace(base, attention_query_tile=tile)
-        works = [StepTimeModel(model, gpu, tiled).work(s.batch) for s in good]
+        # every sample priced at once (the model's formula over arrays): the search
+        # evaluates thousands of coefficient sets
+        works = StepWork.stack([StepTimeModel(model, gpu, tiled).work(s.batch) for s in good])
 
         def loss(x: list[float]) -> float:
             stm = StepTimeModel(model, gpu, _coefficients(x, tiled))
-            total = 0.0
-            for w, lt in zip(works, logs):
-                t = stm.time_of(w).total
-                ok = 0 < t < math.inf
-                total += robust_loss(math.log(t) - lt, loss_scale) if ok else 1e6
-            return total / len(works)
+            with np.errstate(all="ignore"):
+                t = stm.time_of(works).total
+                ok = (t > 0) & (t < math.inf)
+                r = np.log(np.where(ok, t, 1.0)) - logs
+            return float(np.where(ok, robust_loss(r, loss_scale), 1e6).mean())
 
         for eff in (1e-1, 1e-2):
             for par in (8.0, 64.0):

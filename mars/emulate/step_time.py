@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mars.emulate.specs import ACTIVATION_RESERVE_GIB, GpuSpec, ModelSpec, kv_budget_bytes
@@ -113,6 +113,18 @@ class StepWork:
     #: query tiles (sum of ceil(new / tile)): the attention kernel's parallel work
     query_tiles: int = 0
 
+    @classmethod
+    def stack(cls, works: "Sequence[StepWork]") -> "StepWork":
+        """Many steps as one of NumPy arrays, for :meth:`StepTimeModel.time_of` to price all
+        at once. Every step must have tokens (an empty step costs nothing and has no place
+        in a fit)."""
+        import numpy as np
+
+        if not works or any(w.tokens <= 0 for w in works):
+            raise ValueError("stack needs steps that each compute tokens")
+        return cls(*(np.array([getattr(w, f) for w in works], dtype=float)
+                     for f in cls.__dataclass_fields__))
+
 
 @dataclass(frozen=True, slots=True)
 class StepBreakdown:
@@ -127,6 +139,13 @@ class StepBreakdown:
     @property
     def total(self) -> float:
         return self.projections + self.mlp + self.attention + self.logits + self.overhead
+
+
+def _array_minmax():
+    """Element-wise max and min, for steps stacked in arrays (NumPy imported only then)."""
+    import numpy as np
+
+    return np.maximum, np.minimum
 
 
 class StepTimer(ABC):
@@ -233,35 +252,43 @@ class StepTimeModel(StepTimer):
         return StepWork(T, R, full_pairs, full_kv, slide_pairs, slide_kv, Q)
 
     def time_of(self, w: "StepWork") -> StepBreakdown:
+        """The step's time per component. ``w``'s fields may be NumPy arrays (one entry per
+        step, every step with tokens: :meth:`StepWork.stack`): the breakdown is then of
+        arrays, by the same formula. A calibration fit prices hundreds of measured steps
+        under each of thousands of coefficient sets, and a loop over them in Python was most
+        of ``mars emulate calibrate``'s time."""
         m, c = self.model, self.coef
         T, R = w.tokens, w.requests
-        if T == 0:
+        scalar = isinstance(T, (int, float))
+        if scalar and T == 0:
             return StepBreakdown(0.0, 0.0, 0.0, 0.0, 0.0)
+        mx, mn = (max, min) if scalar else _array_minmax()
         L, bw = m.num_layers, self._bw
-        proj = L * max(2 * T * m.attn_params / self._f_gemm, self._attn_w / bw)
+        proj = L * mx(2 * T * m.attn_params / self._f_gemm, self._attn_w / bw)
         # dense FFN and router: every token, every weight
-        mlp = L * max(2 * T * (m.dense_mlp_params + m.router_params) / self._f_gemm,
-                      self._mlp_dense_w / bw)
+        mlp = L * mx(2 * T * (m.dense_mlp_params + m.router_params) / self._f_gemm,
+                     self._mlp_dense_w / bw)
         if m.num_experts:
             E, k = m.num_experts, m.experts_per_token
             touched = E * (1.0 - (1.0 - k / E) ** T)
-            mlp += L * max(2 * T * k * m.expert_params / self._f_moe,
-                           touched * self._expert_w / bw)
+            mlp = mlp + L * mx(2 * T * k * m.expert_params / self._f_moe,
+                               touched * self._expert_w / bw)
         af = self._attn_flop
-        kv_bw = self._kv_bandwidth(w)
-        attn = m.full_layers * max(af * w.full_pairs / self._f_attn,
-                                   w.full_kv * self._kv_layer / kv_bw)
+        kv_bw = self._kv_bandwidth(w, mn)
+        attn = m.full_layers * mx(af * w.full_pairs / self._f_attn,
+                                  w.full_kv * self._kv_layer / kv_bw)
         if m.sliding_layers:
-            attn += m.sliding_layers * max(af * w.slide_pairs / self._f_attn,
-                                           w.slide_kv * self._kv_layer / kv_bw)
+            attn = attn + m.sliding_layers * mx(af * w.slide_pairs / self._f_attn,
+                                                w.slide_kv * self._kv_layer / kv_bw)
         P = c.attention_parallelism
-        if P > 0 and w.query_tiles < P:
-            attn /= (max(w.query_tiles, 1) / P) ** c.attention_occupancy_exponent
-        logits = max(2 * R * m.vocab * m.hidden / self._f_gemm, self._logits_w / bw)
+        if P > 0:
+            # below P query tiles the kernel runs at the occupancy's share (1 at or above P)
+            attn = attn / mn(mx(w.query_tiles, 1) / P, 1.0) ** c.attention_occupancy_exponent
+        logits = mx(2 * R * m.vocab * m.hidden / self._f_gemm, self._logits_w / bw)
         overhead = self._fixed + R * c.request_overhead_s
         return StepBreakdown(proj, mlp, attn, logits, overhead)
 
-    def _kv_bandwidth(self, w: "StepWork") -> float:
+    def _kv_bandwidth(self, w: "StepWork", mn=min) -> float:
         """The rate the step's KV is read at. Every step re-reads each running request's
         context, so when all of it fits in the device's last-level cache it stays there
         between steps and is read at the cache's rate; the part beyond the cache comes from
@@ -273,7 +300,7 @@ class StepTimeModel(StepTimer):
             return bw
         m = self.model
         total = (m.full_layers * w.full_kv + m.sliding_layers * w.slide_kv) * self._kv_layer
-        if total <= 0:
-            return bw
-        hot = min(total, c.cache_bytes)
+        if isinstance(total, (int, float)) and total <= 0:
+            return bw  # (stacked steps all have tokens, so KV to read)
+        hot = mn(total, c.cache_bytes)
         return total / (hot / (bw * c.cache_bandwidth_ratio) + (total - hot) / bw)
