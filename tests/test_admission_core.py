@@ -254,3 +254,44 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
     c.observe(make_event("tool_end", ts=0.0, session_id="b", tool="bash", call_id="q",
                          status="ok", duration_s=1.0), now + 93.0)
     assert {s["session_id"]: s["tools"] for s in c.sessions_view(now + 93.0)} == {"a": 0, "b": 0}
+
+
+def test_a_queued_session_moves_to_another_core_with_its_arrival_and_waiters():
+    """Late binding between two engines' cores: a session queued at ``a`` (its window full)
+    leaves it without failing its waiters (``requeued``, not ``ended``), keeps when it
+    arrived, and is admitted by ``b``, whose dry run said it would be; ``a`` admits no
+    longer asks for it. Nothing moves that is admitted, unknown or already there."""
+    a, b = Shell(window=1), Shell(window=1)
+    moved: list[str] = []
+    a.core._out.requeued = lambda s: moved.append(s.id)
+    a.core.arrive("held", 0.0)
+    s = a.core.arrive("x", 1.0, prompt_tokens=64)
+    s.waiting = 1
+    a.core.step(2.0)
+    assert a.admitted == ["held"] and a.core.queued == 1
+    assert not a.core.would_admit(0, 2.0)  # (its own queue, and no slot)
+    assert not b.core.would_admit(0, 2.0)  # (no step yet: nothing decided)
+    b.core.step(2.0)
+    assert b.core.would_admit(4, 2.0)
+    assert a.core.transfer_out("held", 3.0) is None  # admitted: it holds its slot there
+    assert a.core.transfer_out("nobody", 3.0) is None
+    got = a.core.transfer_out("x", 3.0)
+    assert got is not None and got[0] is s and moved == ["x"] and a.ended == []
+    assert "x" not in a.core.sessions and a.core.queued == 0
+    assert a.events[-1]["kind"] == "session_end" and a.events[-1]["reason"] == "requeued"
+    b.core.transfer_in(*got)
+    with pytest.raises(ValueError, match="already here"):
+        b.core.transfer_in(*got)
+    assert not b.core.would_admit(0, 3.0)  # it has a queue now
+    b.core.step(4.0)
+    assert b.admitted == ["x"] and s.is_admitted and s.waiting == 1
+    adm = [e for e in b.events if e["kind"] == "session_admit"][-1]
+    assert adm["queued_s"] == pytest.approx(3.0)  # waited since 1.0, at a then at b
+    assert b.core.arrive("x", 5.0) is s  # its waiters go on with the same session
+
+
+def test_without_admission_nothing_is_queued_to_move():
+    sh = Shell(admission=False)
+    sh.core.arrive("a", 0.0)
+    assert not sh.core.would_admit(0, 1.0) and sh.core.queued_sessions() == []
+    assert sh.core.transfer_out("a", 1.0) is None

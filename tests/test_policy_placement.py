@@ -330,3 +330,42 @@ def test_mars_breaks_a_cost_tie_by_the_room_left_then_by_sessions():
                                       eng(1, total_blocks=0)]) == 1
     assert MarsPlacer().choose(call, [eng(0, free_blocks=990), eng(1, total_blocks=0,
                                                                    sessions=1)]) == 0
+
+
+# ----------------------------------------------------------------------------- late binding
+
+
+def test_a_queued_session_moves_to_an_engine_that_would_admit_it_oldest_first():
+    """SessionRouter.rebind: the longest-waiting session goes first; an engine that takes
+    one takes no other in the same call; a session whose own engine is the placer's choice
+    stays; only engines that would admit it are asked."""
+    from mars.policy.control.placement import Rebind, Waiting
+
+    r = SessionRouter(MarsPlacer())
+    for sid, rank in (("old", 0), ("new", 0), ("third", 1)):
+        r._where[sid] = rank
+    waiting = [Waiting("new", 0, 5.0, 1000, 63), Waiting("old", 0, 1.0, 1000, 63),
+               Waiting("third", 1, 6.0, 1000, 63)]
+    # engines 0 and 1: windows full with queues; engine 2 would admit; engine 3 is dead
+    engines = [eng(0, sessions=6, window=4), eng(1, sessions=5, window=4), eng(2, window=4),
+               eng(3, window=4, alive=False)]
+    admits = lambda rank, blocks: rank in (2, 3)  # noqa: E731
+    moves = r.rebind(waiting, engines, admits)
+    assert moves == [Rebind("old", 0, 2)]  # engine 2 is taken after the first; 3 is dead
+    assert r.engine_of("old") == 2 and r.rebinds == 1 and r.engine_of("new") == 0
+    # its own engine preferred (it has room: only the packer's reserve held it): it stays
+    r2 = SessionRouter(MarsPlacer())
+    r2._where["s"] = 0
+    stay = r2.rebind([Waiting("s", 0, 1.0, 1000, 63)],
+                     [eng(0, window=4, sessions=1, free_blocks=1000),
+                      eng(1, window=4, sessions=3, free_blocks=100)], lambda rank, b: True)
+    assert stay == [] and r2.rebinds == 0
+
+
+@pytest.mark.parametrize("name", sorted(set(PLACERS) - {"mars"}))
+def test_only_mars_placement_rebinds_queued_sessions(name):
+    from mars.policy.control.placement import Waiting
+
+    r = SessionRouter(make_placer(name))
+    assert r.rebind([Waiting("s", 0, 1.0, 10, 1)], [eng(0), eng(1)],
+                    lambda rank, b: True) == []

@@ -231,6 +231,64 @@ def test_each_engine_has_its_own_window_from_its_own_events(engines, tmp_path):
             pub.close()
 
 
+def test_a_queued_session_moves_to_the_engine_that_can_admit_it(engines, tmp_path):
+    """MARS placement's late binding, served: with both pools nearly full, a new session
+    waits at engine 0's door (a session admitted there holds off the packer's progress
+    rule); when engine 1 reports room, the waiting call moves with its session to engine 1
+    and is served there, and the stream says so (``session_end`` ``requeued`` on engine 0,
+    ``session_admit`` on engine 1)."""
+    from mars.stream.publisher import EventPublisher
+
+    eps = [f"ipc://{tmp_path}/engine-{r}.ipc" for r in range(2)]
+    pubs = [EventPublisher(endpoint=ep) for ep in eps]
+    free = [900, 900]
+
+    def publish() -> None:
+        now = time.time()
+        for r, pub in enumerate(pubs):
+            pub.publish({"kind": "scheduler_start", "ts": now, "scheduler_cls": "fake",
+                         "policy": "mars", "total_blocks": 1000, "block_size": 16, "pid": 1})
+            pub.publish({"kind": "kv_snapshot", "ts": now, "total_blocks": 1000,
+                         "free_blocks": free[r], "used_blocks": 1000 - free[r],
+                         "running": 1, "waiting": 0})
+
+    def utilisation() -> list:
+        return [e["signals"]["kv_utilisation"] for e in _placement(sc)["engines"]]
+
+    sc = SidecarProcess(",".join(e.url for e in engines), args=[
+        "--engine-events", ",".join(eps), "--events-file", str(tmp_path / "events.jsonl")])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        with sc:
+            assert _until(lambda: publish() or utilisation() == pytest.approx([0.1, 0.1]))
+            # one session admitted on each engine, open (not their last rounds)
+            assert _call(sc.url, "h0").status_code == 200
+            assert _call(sc.url, "h1").status_code == 200
+            assert (engines[0].sessions, engines[1].sessions) == (["h0"], ["h1"])
+            free[:] = [20, 20]
+            assert _until(lambda: publish() or utilisation() == pytest.approx([0.98, 0.98]))
+            waiting = pool.submit(_call, sc.url, "late", 0, True)
+            assert _until(lambda: [e["queued"] for e in _placement(sc)["engines"]] == [1, 0])
+            assert not waiting.done()
+            free[1] = 900  # engine 1 has room now; engine 0 still has none
+            assert _until(lambda: publish() or waiting.done(), timeout_s=30)
+            assert waiting.result().status_code == 200
+            assert (engines[0].sessions, engines[1].sessions) == (["h0"], ["h1", "late"])
+            assert "mars_sidecar_session_rebinds_total 1.0" in httpx.get(sc.url + "/metrics").text
+            assert _placement(sc)["rebinds"] == 1 and _placement(sc)["moves"] == 0
+        events = [json.loads(line) for line in
+                  (tmp_path / "events.jsonl").read_text().splitlines()]
+        late = [parse_event(e) for e in events if e.get("session_id") == "late"
+                and e["kind"] in ("session_end", "session_admit")]
+        late = [(e.kind, getattr(e, "reason", None), e.engine) for e in late]
+        assert late == [("session_end", "requeued", 0), ("session_admit", None, 1),
+                        ("session_end", "last_round", 1)], late
+    finally:
+        pool.shutdown(wait=False)
+        for pub in pubs:
+            pub.close()
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--upstream", "http://127.0.0.1:1,http://127.0.0.1:1"], "named twice"),
     (["--upstream", "http://127.0.0.1:1,"], "empty entry"),

@@ -22,14 +22,15 @@ pytestmark = pytest.mark.engine
 GPU, MODEL = "h100-nvl", "qwen3-coder-30b-a3b"
 
 
-def _run(placement: str, trace, tmp_path, sync: bool = False):
+def _run(placement: str, trace, tmp_path, sync: bool = False, extra: tuple = (),
+         name: str = ""):
     from mars.sim.runner import SimConfig, Simulation
     from mars.workloads.eventlink import read_events
 
-    path = tmp_path / f"events-{placement}-{sync}.jsonl"
+    path = tmp_path / f"events-{placement}-{sync}{name}.jsonl"
     sim = Simulation(SimConfig(GPU, MODEL, "mars", progress=False, engines=2,
                                placement=placement,
-                               engine_args=("--no-async-scheduling",) if sync else ()),
+                               engine_args=(("--no-async-scheduling",) if sync else ()) + extra),
                      events_path=path)
     try:
         res = sim.run(trace, "load", placement)
@@ -48,7 +49,14 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sim-engines")
     runs = {p: _run(p, trace, tmp) for p in ("mars", "round_robin")}
     runs["mars-sync"] = _run("mars", trace, tmp, sync=True)  # vLLM's sync scheduler class
-    return trace, runs
+    # a heavier trace on smaller pools: sessions queue at their engines' doors, and some
+    # move to the other engine when it can admit them first (late binding)
+    tight = generate("ILR-3", num_tasks=12, rate=1.0, seed=0)
+    runs["mars-tight"] = _run("mars", tight, tmp, extra=("--gpu-memory-utilization", "0.75"),
+                              name="-tight")
+    traces = {name: trace for name in runs}
+    traces["mars-tight"] = tight
+    return traces, runs
 
 
 def _engines_of(events) -> dict[str, set[int]]:
@@ -59,9 +67,10 @@ def _engines_of(events) -> dict[str, set[int]]:
     return where
 
 
-@pytest.mark.parametrize("which", ["mars", "mars-sync"])
+@pytest.mark.parametrize("which", ["mars", "mars-sync", "mars-tight"])
 def test_each_session_stays_on_one_engine_and_both_serve(runs, which):
-    trace, got = runs
+    traces, got = runs
+    trace = traces[which]
     res, events, cores, pins = got[which]
     assert res.summary["tasks"]["completed"] == len(trace), res.summary
     assert res.run["scheduling"] == ("sync" if which == "mars-sync" else "async")
@@ -76,7 +85,7 @@ def test_each_session_stays_on_one_engine_and_both_serve(runs, which):
     assert pins == [set(), set()]  # every pin came back on both engines
 
 
-@pytest.mark.parametrize("which", ["mars", "mars-sync", "round_robin"])
+@pytest.mark.parametrize("which", ["mars", "mars-sync", "round_robin", "mars-tight"])
 def test_the_stream_is_in_time_order_and_each_engine_speaks_for_itself(runs, which):
     _, got = runs
     _, events, _, _ = got[which]
@@ -102,7 +111,8 @@ def test_the_stream_is_in_time_order_and_each_engine_speaks_for_itself(runs, whi
 
 
 def test_round_robin_moves_sessions_between_engines_and_loses_their_cache(runs):
-    trace, got = runs
+    traces, got = runs
+    trace = traces["round_robin"]
     rr, rr_events, _, pins = got["round_robin"]
     sticky, _, _, _ = got["mars"]
     assert rr.summary["tasks"]["completed"] == len(trace), rr.summary
@@ -128,6 +138,30 @@ def test_round_robin_moves_sessions_between_engines_and_loses_their_cache(runs):
         return sum(r.cached_tokens or 0 for t in res.tasks for r in t.rounds if r.index > 0)
 
     assert cached(rr) < 0.8 * cached(sticky), (cached(rr), cached(sticky))
+
+
+def test_a_queued_session_moves_to_the_engine_that_admits_it_first(runs):
+    """Late binding: on the tight run some sessions, queued at one engine, move to the other
+    before admission (``session_end`` ``requeued`` there, then their only ``session_admit``
+    on the other engine, where all their rounds run); none moves once admitted."""
+    traces, got = runs
+    res, events, _, _ = got["mars-tight"]
+    assert res.run["session_rebinds"] > 0  # (this trace does move some: not vacuous)
+    requeued = [e for e in events if e["kind"] == "session_end"
+                and e.get("reason") == "requeued"]
+    assert len(requeued) == res.run["session_rebinds"]
+    admits = collections.defaultdict(list)
+    for e in events:
+        if e["kind"] == "session_admit":
+            admits[e["session_id"]].append(e)
+    assert len(admits) == len(traces["mars-tight"])
+    assert all(len(a) == 1 for a in admits.values()), admits
+    where = _engines_of(events)
+    for e in requeued:
+        (adm,) = admits[e["session_id"]]
+        assert adm["engine"] != e["engine"] and adm["ts"] >= e["ts"], (e, adm)
+        # nothing of it ever ran on the engine it left: every call on the one admitting it
+        assert where[e["session_id"]] == {adm["engine"]}
 
 
 def test_bad_engine_counts_and_placements_are_refused():

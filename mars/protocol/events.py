@@ -210,11 +210,12 @@ class SessionAdmit(_Base):
 class SessionEnd(_Base):
     kind: Literal["session_end"]
     session_id: Name
-    #: "moved" / "switched": the session left this engine for another of the sidecar's
-    #: engines (its own was down / a per-call placement sent it away); the event carries
-    #: ``engine``, and the session goes on there
+    #: "moved" / "switched" / "requeued": the session left this engine for another of the
+    #: sidecar's engines (its own was down / a per-call placement sent it away / it was
+    #: still queued, and another engine could admit it now); the event carries ``engine``,
+    #: and the session goes on there
     reason: Literal["last_round", "deleted", "idle", "one_shot", "disconnect", "error", "moved",
-                    "switched"]
+                    "switched", "requeued"]
 
 
 class RequestStart(_Base):

@@ -50,7 +50,8 @@ from mars.policy.control.admission import QueueFull
 from mars.protocol.events import TOOL_KINDS, EventError, make_event
 from mars.sidecar.auth import Access, Authenticator
 from mars.sidecar.config import SidecarConfig
-from mars.sidecar.control import AdmissionTimeout, ControlPlane, Session, SessionClosed
+from mars.sidecar.control import (AdmissionTimeout, ControlPlane, Session, SessionClosed,
+                                  SessionRequeued)
 from mars.stream.engine_reader import EngineEventReader
 from mars.sidecar.errors import openai_error
 from mars.sidecar.hub import EventHub
@@ -207,9 +208,16 @@ class Sidecar:
                 control = eng.control
                 try:
                     try:
-                        session = await control.acquire(
-                            sid, one_shot=one_shot, last_round=info.last_round,
-                            prompt_tokens=lambda: info.prompt_tokens)
+                        while True:
+                            try:
+                                session = await control.acquire(
+                                    sid, one_shot=one_shot, last_round=info.last_round,
+                                    prompt_tokens=lambda: info.prompt_tokens)
+                                break
+                            except SessionRequeued:
+                                # still queued, it moved to an engine that admits it now
+                                eng, _ = self.engines.place(sid, lambda: info.prompt_tokens)
+                                control = eng.control
                     except BaseException:  # refused (or the client left) before it began
                         self.engines.refused(eng, sid)
                         raise

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mars.policy.control.admission import AdmissionConfig, QueueFull
+from mars.policy.control.packing import QueuedSession
 from mars.policy.control.admission_core import (OBSERVED_KINDS, STEP_KINDS, AdmissionCore,
                                          CoreConfig, Listener, SessionState)
 from mars.sidecar.config import SidecarConfig
@@ -53,24 +54,32 @@ class SessionClosed(Exception):
     """The session was ended (e.g. deleted) while this request waited for admission."""
 
 
+class SessionRequeued(Exception):
+    """The session, still queued, moved to another engine's queue (MARS placement's late
+    binding, :meth:`EngineSet.rebind`): the request waits there instead."""
+
+
 class ControlPlane:
     def __init__(self, config: SidecarConfig, emit: Callable[[dict[str, Any], str], None],
                  metrics: SidecarMetrics, *, admission_config: AdmissionConfig | None = None,
-                 on_ended: Callable[[Session, str], None] | None = None) -> None:
+                 on_ended: Callable[[Session, str], None] | None = None,
+                 after_step: Callable[[float], None] | None = None) -> None:
         """``admission_config``: this engine's own (one of several engines: its share of
-        the tool cores); ``on_ended``: told of every session that ends here."""
+        the tool cores); ``on_ended``: told of every session that ends here;
+        ``after_step(now)``: called after each control step (the engine set's rebinding)."""
         self.config = config
         self.admission = config.admission
         self.metrics = metrics
         self._emit = emit
         self._on_ended_hook = on_ended
+        self._after_step = after_step
         self.core = AdmissionCore(
             CoreConfig(admission=config.admission,
                        admission_config=admission_config or config.admission_config,
                        idle_timeout_s=config.idle_timeout_s,
                        window_heartbeat_s=config.window_heartbeat_s),
             Listener(emit=lambda ev: emit(ev, "control"), admitted=self._on_admitted,
-                     ended=self._on_ended),
+                     ended=self._on_ended, requeued=self._on_requeued),
             oneshot_prefix=f"oneshot-{os.getpid():x}-")
         #: admission futures of queued sessions
         self._futures: dict[str, asyncio.Future] = {}
@@ -124,6 +133,19 @@ class ControlPlane:
             self._on_ended_hook(s, reason)
         self.kick()
 
+    def _on_requeued(self, s: Session) -> None:
+        fut = self._futures.pop(s.id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(SessionRequeued(f"session {s.id!r} moved to another engine"))
+            fut.exception()
+        self.kick()  # (whoever queued behind it may fit now)
+
+    def take_queued(self, s: Session, qs: QueuedSession) -> None:
+        """A session queued at another engine, moved here: its waiters come to
+        :meth:`acquire` here (they were told :class:`SessionRequeued`)."""
+        self.core.transfer_in(s, qs)
+        self.kick()
+
     # ------------------------------------------------------------------ requests
     async def acquire(self, sid: str, *, one_shot: bool = False, last_round: bool = False,
                       prompt_tokens: Callable[[], int] | None = None) -> Session:
@@ -166,7 +188,7 @@ class ControlPlane:
             except asyncio.CancelledError:
                 core.give_up(s, "disconnect", time.time())
                 raise
-            except SessionClosed:
+            except (SessionClosed, SessionRequeued):
                 s.waiting -= 1
                 raise
             s.waiting -= 1
@@ -215,7 +237,10 @@ class ControlPlane:
         if not self.admission:
             return
         self._last_step = time.monotonic()
-        self.core.step(time.time() if now is None else now)
+        now = time.time() if now is None else now
+        self.core.step(now)
+        if self._after_step is not None:
+            self._after_step(now)
 
     async def run_timer(self, extra: Callable[[float], None] | None = None) -> None:
         """Periodic steps and idle reaping, until cancelled."""

@@ -34,7 +34,8 @@ from functools import partial
 from typing import Any
 
 from mars.policy.control.placement import (LEAVING, Call, Decision, EngineTracker,
-                                           NoEngineError, SessionRouter, make_placer)
+                                           NoEngineError, SessionRouter, Waiting,
+                                           make_placer)
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.control import ControlPlane, Session
 from mars.sidecar.metrics import SidecarMetrics
@@ -96,7 +97,8 @@ class EngineSet:
         for rank, (url, events) in enumerate(zip(urls, config.engines_events)):
             control = ControlPlane(
                 config, partial(self._emit, emit, rank) if self.multi else emit, metrics,
-                admission_config=adm, on_ended=partial(self._ended, rank))
+                admission_config=adm, on_ended=partial(self._ended, rank),
+                after_step=self._rebind if self.multi else None)
             upstream = make_upstream(config.upstream_client, url,
                                      connect_timeout_s=config.connect_timeout_s,
                                      read_timeout_s=config.read_timeout_s,
@@ -221,6 +223,31 @@ class EngineSet:
                 s.end_reason = reason
         return self.engines[d.rank], d
 
+    def _rebind(self, now: float) -> None:
+        """After a control step: queued sessions move to an engine that would admit them
+        now (MARS placement's late binding, :meth:`SessionRouter.rebind`); each waiting
+        request follows its session (:class:`~mars.sidecar.control.SessionRequeued`)."""
+        if not self.router.placer.rebinds_queued:
+            return
+        live = [e for e in self.engines if e.alive]
+        waiting = [Waiting(qs.session_id, e.rank, qs.enqueued_at, qs.prompt_tokens,
+                           qs.est_blocks)
+                   for e in live for qs in e.control.core.queued_sessions()]
+        if not waiting or not any(e.control.core.would_admit(0, now) for e in live):
+            return
+        engines = self.engines
+        for mv in self.router.rebind(
+                waiting, [self._load(e) for e in engines],
+                lambda rank, blocks: engines[rank].alive and
+                engines[rank].control.core.would_admit(blocks, now)):
+            got = engines[mv.source].control.core.transfer_out(mv.session_id, now)
+            if got is None:  # (it was queued there a moment ago)
+                log.error("rebind: %s was not queued at engine %d", mv.session_id, mv.source)
+                self.router.end(mv.session_id)
+                continue
+            self.metrics.session_rebinds.inc()
+            engines[mv.target].control.take_queued(*got)
+
     def refused(self, e: Engine, sid: str) -> None:
         """The call placed on ``e`` was refused before its session began there (queue full,
         admission timeout): the session is not there, so the router must not say it is."""
@@ -281,7 +308,7 @@ class EngineSet:
 
     def placement_view(self) -> dict[str, Any]:
         return {"placement": self.router.placer.name, "moves": self.router.moves,
-                "switches": self.router.switches,
+                "switches": self.router.switches, "rebinds": self.router.rebinds,
                 "engines": [{**e.view(), "placed": self.router.sessions_on(e.rank)}
                             for e in self.engines]}
 

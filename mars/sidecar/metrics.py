@@ -103,6 +103,9 @@ class SidecarMetrics:
         self.session_moves = Counter(PREFIX + "session_moves",
                                      "Sessions sent to another engine because theirs was down "
                                      "(several engines behind one sidecar)", registry=r)
+        self.session_rebinds = Counter(PREFIX + "session_rebinds",
+                                       "Queued sessions moved to another engine that could "
+                                       "admit them at once (MARS placement)", registry=r)
         self.engine_events_malformed = Counter(PREFIX + "engine_events_malformed",
                                                "Engine stream messages that were not JSON",
                                                registry=r)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mars.policy.control.admission import QueueFull
+from mars.policy.control.packing import QueuedSession
 from mars.protocol.events import make_event
 from mars.policy.control.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
 from mars.sidecar.config import SidecarConfig, admission_config
@@ -59,7 +60,8 @@ class SimControl:
         self.core = AdmissionCore(
             CoreConfig(admission=sc.admission, admission_config=sc.admission_config,
                        idle_timeout_s=sc.idle_timeout_s, window_heartbeat_s=sc.window_heartbeat_s),
-            Listener(emit=self._own_event, admitted=self._on_admitted, ended=self._on_ended),
+            Listener(emit=self._own_event, admitted=self._on_admitted, ended=self._on_ended,
+                     requeued=self._on_requeued),
             oneshot_prefix="oneshot-sim-")
         self._kicked = False
         self._next_reap = 0.0
@@ -100,8 +102,8 @@ class SimControl:
         return s
 
     def _timeout(self, s: SessionState, since: float, t: float) -> None:
-        if s.is_admitted or s.ended or s.waiting <= 0:
-            return
+        if s.is_admitted or s.ended or s.waiting <= 0 or self.core.sessions.get(s.id) is not s:
+            return  # (admitted, over, or waiting at another engine now: its timer there)
         stall_s = self.sidecar.admission_timeout_s
         deadline = self.core.wait_deadline(since, stall_s)
         if deadline > t:  # things progressed meanwhile: wait on
@@ -121,6 +123,19 @@ class SimControl:
 
     def end_session(self, sid: str, reason: str, now: float) -> None:
         self.core.end_session(sid, reason, now)
+
+    def _on_requeued(self, s: SessionState) -> None:
+        self._kicked = True  # (a step may admit whoever was behind it)
+
+    def take_queued(self, s: SessionState, qs: QueuedSession, now: float) -> None:
+        """A session queued at another engine, moved here (``SessionRouter.rebind``): its
+        requests wait here, on this control plane's admission timeout."""
+        self.core.transfer_in(s, qs)
+        self._start_timer(now)
+        self._kicked = True
+        if s.waiting:
+            deadline = self.core.wait_deadline(now, self.sidecar.admission_timeout_s)
+            self.timeline.at(deadline, lambda t, s=s, since=now: self._timeout(s, since, t))
 
     def _on_admitted(self, s: SessionState, queued_s: float) -> None:
         if s.waiting:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.policy.control.placement import (LEAVING, PLACERS, Call, EngineTracker,
-                                           SessionRouter, make_placer)
+                                           SessionRouter, Waiting, make_placer)
 from mars.policy.registry import get_policy
 from mars.policy.control.admission_core import SessionState
 from mars.sim.clock import Timeline, VirtualClock
@@ -199,6 +199,7 @@ class Simulation:
         self._on_task_end: Callable[[_TaskRun, float], None] = lambda tr, t: None
         self._t0 = SIM_EPOCH
         self._bar: Any = None
+        self._rebind_steps = -1
 
     # ------------------------------------------------------------------ events
     def _record(self, ev: dict[str, Any]) -> None:
@@ -250,6 +251,7 @@ class Simulation:
         steps0 = self._steps()
         preempt0 = self._preempted()
         moves0, switches0 = self.router.moves, self.router.switches
+        rebinds0 = self.router.rebinds
         runs = [_TaskRun(t, TaskResult(t.task_id, t.arrival_s if mode == "load" else math.nan,
                                        t.num_rounds),
                          TaskScript(t, space, job_id(t.task_id, mode), self.engine.max_model_len),
@@ -311,7 +313,8 @@ class Simulation:
                  "engine_steps": self._steps() - steps0,
                  "scheduling": "async" if eng.async_scheduling else "sync",
                  **({"session_moves": self.router.moves - moves0,
-                     "session_switches": self.router.switches - switches0}
+                     "session_switches": self.router.switches - switches0,
+                     "session_rebinds": self.router.rebinds - rebinds0}
                     if self.multi else {}),
                  "command": list(sys.argv)},
             tasks=[r.result for r in runs],
@@ -368,6 +371,7 @@ class Simulation:
                     lane.stuck = False
             for lane in lanes:
                 lane.control.settle(now)
+            self._rebind(now)
             if not self._unfinished:
                 break
             ready = [lane for lane in lanes if not lane.stuck and lane.engine.has_work]
@@ -497,6 +501,37 @@ class Simulation:
             lanes[known].control.end_session(r.sid, "switched", t)
             lanes[known].tracker.forget(r.sid)
         return lanes[d.rank]
+
+    def _rebind(self, now: float) -> None:
+        """Queued sessions move to an engine that would admit them now (MARS placement's
+        late binding, as the served EngineSet.rebind), after the control steps that could
+        have changed who admits what."""
+        lanes = self.lanes
+        if not self.router.placer.rebinds_queued:
+            return
+        steps = sum(ln.control.core.steps for ln in lanes)
+        if steps == self._rebind_steps:
+            return
+        self._rebind_steps = steps
+        waiting = [Waiting(qs.session_id, ln.rank, qs.enqueued_at, qs.prompt_tokens,
+                           qs.est_blocks)
+                   for ln in lanes for qs in ln.control.core.queued_sessions()]
+        if not waiting or not any(ln.control.core.would_admit(0, now) for ln in lanes):
+            return
+        loads = [ln.tracker.load_with(ln.control.core.snapshot(now),
+                                      sessions=self.router.sessions_on(ln.rank))
+                 for ln in lanes]
+        for mv in self.router.rebind(
+                waiting, loads, lambda rank, blocks: lanes[rank].control.core.would_admit(
+                    blocks, now)):
+            src, dst = lanes[mv.source], lanes[mv.target]
+            got = src.control.core.transfer_out(mv.session_id, now)
+            if got is None:  # (cannot happen: it was queued there a moment ago)
+                raise SimError(f"rebind: {mv.session_id} was not queued at engine {src.rank}")
+            dst.control.take_queued(*got, now)
+            for r in self._queued.get(mv.session_id, []):
+                r.lane = dst
+            dst.control.settle(now)
 
     def _session_ended(self, lane: _Lane, sid: str, reason: str) -> None:
         """A session ended on ``lane`` (its last round, a deletion, idle reaping): forget

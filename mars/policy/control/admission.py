@@ -444,6 +444,38 @@ class BalanceAndAdmit:
         """Withdraw a queued session (client gave up); True if it was queued."""
         return self._queue.pop(session_id, None) is not None
 
+    def take_out(self, session_id: str) -> QueuedSession | None:
+        """Remove a queued session to queue it at another engine (:meth:`put_in` there);
+        None if it is not queued here."""
+        return self._queue.pop(session_id, None)
+
+    def put_in(self, qs: QueuedSession) -> None:
+        """Queue a session another engine's :meth:`take_out` gave, keeping when it arrived
+        (its wait counts towards ageing here as it did there)."""
+        if qs.session_id in self._admitted or qs.session_id in self._queue:
+            raise ValueError(f"session {qs.session_id!r} is already here")
+        self._queue[qs.session_id] = replace(qs, seq=next(self._seq))
+
+    def would_admit(self, est_blocks: int, now: float) -> bool:
+        """Whether a control step now would admit a session whose first prompt needs
+        ``est_blocks``, were it queued here (a dry run: nothing changes). Only an engine
+        with no queue of its own is asked (a session moved there must not overtake the
+        ones already waiting): a free slot in the window's last budget, and the packer's
+        KV room (the same :meth:`room` and growth charge a step would use) or its progress
+        rule (nothing admitted)."""
+        if self._queue or self.last is None:
+            return False
+        slots = self.last.decision.budget - self.in_use
+        if slots <= 0:
+            return False
+        sig = self.state.signals(now)
+        projection = self.projection(now)  # (a fresh one: the packer adds to it)
+        free = self.room(sig, now, projection)
+        probe = QueuedSession("(probe)", now, est_blocks=max(0, int(est_blocks)))
+        pack = self.packer.pack([probe], sig, slots, free, now, in_use=self.in_use,
+                                footprint=projection, charge_cap=self._fill_blocks(sig))
+        return bool(pack.sessions)
+
     def release(self, session_id: str) -> bool:
         """A session ended: free its slot (idempotent). Also drops it from the queue."""
         self._pending.pop(session_id, None)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mars.policy.control.admission import AdmissionConfig, BalanceAndAdmit, QueueFull
+from mars.policy.control.packing import QueuedSession
 from mars.protocol.events import TOOL_KINDS, make_event
 
 #: events after which a control step may admit someone
@@ -97,6 +98,8 @@ class Listener:
     admitted: Callable[[SessionState, float], None] = lambda s, queued_s: None
     #: a session ended (fail its waiters if it was still queued)
     ended: Callable[[SessionState, str], None] = lambda s, reason: None
+    #: a queued session left for another engine's queue (its waiters follow it there)
+    requeued: Callable[[SessionState], None] = lambda s: None
 
 
 class AdmissionCore:
@@ -223,6 +226,40 @@ class AdmissionCore:
     def end_session(self, sid: str, reason: str, now: float) -> bool:
         s = self.sessions.get(sid)
         return self.end(s, reason, now) if s is not None else False
+
+    # ------------------------------------------------------------------ between engines
+    def would_admit(self, est_blocks: int, now: float) -> bool:
+        """Whether a step now would admit a new session of this first-prompt size here
+        (:meth:`BalanceAndAdmit.would_admit`; never without admission)."""
+        return self.admission and self.balance.would_admit(est_blocks, now)
+
+    def queued_sessions(self) -> list[QueuedSession]:
+        return self.balance.queued_sessions() if self.admission else []
+
+    def transfer_out(self, sid: str, now: float) -> tuple[SessionState, QueuedSession] | None:
+        """Take queued session ``sid`` out, for another engine's :meth:`transfer_in` (None
+        if it is not queued here). A queued session holds nothing on its engine -- no KV, no
+        request in flight -- so it can wait at any engine's door. Its ``session_end``
+        (reason ``requeued``) says it left this one; its waiters are told through the
+        listener, not failed."""
+        s = self.sessions.get(sid)
+        if s is None or s.ended or s.is_admitted:
+            return None
+        qs = self.balance.take_out(sid)
+        if qs is None:
+            return None
+        del self.sessions[sid]
+        self._out.requeued(s)
+        self._out.emit(make_event("session_end", session_id=sid, reason="requeued", ts=now))
+        return s, qs
+
+    def transfer_in(self, s: SessionState, qs: QueuedSession) -> None:
+        """Queue a session :meth:`transfer_out` took from another engine (its arrival time,
+        first prompt and waiters kept)."""
+        if s.id in self.sessions:
+            raise ValueError(f"session {s.id!r} is already here")
+        self.balance.put_in(qs)
+        self.sessions[s.id] = s
 
     def reap_idle(self, now: float) -> int:
         """End admitted sessions idle for ``idle_timeout_s`` (no request, no open tool)."""

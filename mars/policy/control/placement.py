@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -106,7 +106,7 @@ class Call:
 
 
 #: session_end reasons that mean "on to another engine", not "over"
-LEAVING = frozenset({"moved", "switched"})
+LEAVING = frozenset({"moved", "switched", "requeued"})
 
 
 class NoEngineError(RuntimeError):
@@ -121,6 +121,9 @@ class Placer(abc.ABC):
 
     name: str = ""
     sticky: bool = True
+    #: whether a session still queued at its engine's door moves to another engine that
+    #: would admit it now (:meth:`SessionRouter.rebind`): MARS's late binding
+    rebinds_queued: bool = False
 
     @abc.abstractmethod
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
@@ -159,10 +162,21 @@ class MarsPlacer(Placer):
 
     Nothing here is a tuned weight: the terms are token counts the events give and the
     prefill rate the step-time model measures, so they add up in one unit.
+
+    The choice binds a session to an engine only once it is admitted there. Until then it
+    holds nothing at that engine (no KV, no call in flight), so where it waits is no
+    commitment: when another engine would admit it now and its own would not, it moves
+    (:meth:`SessionRouter.rebind`). Without that, N engines are N separate queues: a session
+    waits behind its engine's window while another engine has a free slot and room, the
+    pooling loss of N single-server queues against one N-server queue. (``mars sim``, ILR-3
+    at a fixed load per engine, before this: on eight engines one had sessions queued while
+    another had window room for 183 of the 244 s in which any queue was non-empty, and the
+    mean wait at the door grew from 2.3 s on one engine to 7-27 s per engine.)
     """
 
     name = "mars"
     sticky = True
+    rebinds_queued = True
 
     def cost_s(self, call: Call, e: EngineLoad) -> float:
         cached = min(call.prompt_tokens, max(0, call.cached_tokens.get(e.rank, 0)))
@@ -317,6 +331,28 @@ def make_placer(name: str) -> Placer:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A session queued at engine ``rank``'s door: not admitted, so it holds nothing there."""
+
+    session_id: str
+    rank: int
+    #: when it arrived (the order across engines: the longest-waiting moves first)
+    since: float
+    prompt_tokens: int
+    #: KV blocks of its first prompt (what an engine's packer would charge it at least)
+    est_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rebind:
+    """Move queued session ``session_id`` from engine ``source``'s queue to ``target``'s."""
+
+    session_id: str
+    source: int
+    target: int
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     rank: int
     #: the session was on another engine, now gone, and changed engine
@@ -343,6 +379,7 @@ class SessionRouter:
         self._where: dict[str, int] = {}
         self.moves = 0
         self.switches = 0
+        self.rebinds = 0
 
     def route(self, call: Call, engines: Sequence[EngineLoad]) -> Decision:
         alive = {e.rank for e in engines if e.alive}
@@ -360,6 +397,41 @@ class SessionRouter:
         self.switches += switched
         self._where[call.session_id] = rank
         return Decision(rank, moved, switched)
+
+    def rebind(self, waiting: Sequence[Waiting], engines: Sequence[EngineLoad],
+               admits: Callable[[int, int], bool]) -> list[Rebind]:
+        """Queued sessions that another engine would admit now, and that engine (none unless
+        the placer ``rebinds_queued``). ``admits(rank, est_blocks)``: whether engine
+        ``rank``'s control plane would admit, at its next step, a new session needing
+        ``est_blocks`` (it answers no while it has a queue of its own, so a moved session
+        never overtakes the ones waiting there).
+
+        The longest-waiting session goes first, across engines (arrival order, as one queue
+        would serve them). Among its own engine and those that would admit it, the placer
+        chooses as for a new session; if it chooses another, the session moves there and
+        that engine takes no other in this call (it has a queue now). The caller moves each
+        session between its engines' queues; the router records where it is."""
+        if not self.placer.rebinds_queued or not waiting:
+            return []
+        by_rank = {e.rank: e for e in engines}
+        open_ = {e.rank for e in engines if e.alive and admits(e.rank, 0)}
+        out: list[Rebind] = []
+        for w in sorted(waiting, key=lambda w: (w.since, w.session_id)):
+            if not open_:
+                break
+            takers = [by_rank[r] for r in sorted(open_)
+                      if r != w.rank and admits(r, w.est_blocks)]
+            if not takers:
+                continue
+            here = [by_rank[w.rank]] if w.rank in by_rank else []
+            rank = self.placer.choose(Call(w.session_id, w.prompt_tokens), here + takers)
+            if rank == w.rank:
+                continue
+            open_.discard(rank)
+            self._where[w.session_id] = rank
+            self.rebinds += 1
+            out.append(Rebind(w.session_id, w.rank, rank))
+        return out
 
     def engine_of(self, session_id: str) -> int | None:
         return self._where.get(session_id)
