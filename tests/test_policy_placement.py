@@ -337,29 +337,51 @@ def test_mars_breaks_a_cost_tie_by_the_room_left_then_by_sessions():
 
 def test_a_queued_session_moves_to_an_engine_that_would_admit_it_oldest_first():
     """SessionRouter.rebind: the longest-waiting session goes first; an engine that takes
-    one takes no other in the same call; a session whose own engine is the placer's choice
-    stays; only engines that would admit it are asked."""
+    one takes no other in the same call; only engines that would admit it are asked (and
+    as little as monotony allows); a session listed twice stays; the router changes only
+    when the caller records the move."""
     from mars.policy.control.placement import Rebind, Waiting
 
     r = SessionRouter(MarsPlacer())
-    for sid, rank in (("old", 0), ("new", 0), ("third", 1)):
+    for sid, rank in (("old", 0), ("new", 0), ("third", 1), ("twice", 1)):
         r._where[sid] = rank
     waiting = [Waiting("new", 0, 5.0, 1000, 63), Waiting("old", 0, 1.0, 1000, 63),
-               Waiting("third", 1, 6.0, 1000, 63)]
+               Waiting("third", 1, 6.0, 1000, 63), Waiting("twice", 1, 0.5, 10, 1),
+               Waiting("twice", 0, 0.5, 10, 1)]
     # engines 0 and 1: windows full with queues; engine 2 would admit; engine 3 is dead
     engines = [eng(0, sessions=6, window=4), eng(1, sessions=5, window=4), eng(2, window=4),
                eng(3, window=4, alive=False)]
-    admits = lambda rank, blocks: rank in (2, 3)  # noqa: E731
+    asked = []
+
+    def admits(rank, blocks):
+        asked.append((rank, blocks))
+        return rank in (2, 3)
+
     moves = r.rebind(waiting, engines, admits)
     assert moves == [Rebind("old", 0, 2)]  # engine 2 is taken after the first; 3 is dead
-    assert r.engine_of("old") == 2 and r.rebinds == 1 and r.engine_of("new") == 0
-    # its own engine preferred (it has room: only the packer's reserve held it): it stays
-    r2 = SessionRouter(MarsPlacer())
-    r2._where["s"] = 0
-    stay = r2.rebind([Waiting("s", 0, 1.0, 1000, 63)],
-                     [eng(0, window=4, sessions=1, free_blocks=1000),
-                      eng(1, window=4, sessions=3, free_blocks=100)], lambda rank, b: True)
-    assert stay == [] and r2.rebinds == 0
+    assert (2, 63) in asked and all(rk != 3 for rk, _ in asked)
+    assert r.engine_of("old") == 0 and r.rebinds == 0  # (until the caller moved it)
+    r.rebound("old", 2)
+    assert r.engine_of("old") == 2 and r.rebinds == 1
+
+
+def test_a_tie_never_moves_a_queued_session():
+    """Two equal engines: a session queued at one stays (its own engine is counted without
+    it), so a session cannot be traded back and forth; a strictly better one takes it."""
+    from mars.policy.control.placement import Rebind, Waiting
+
+    r = SessionRouter(MarsPlacer())
+    r._where["s"] = 1
+    w = [Waiting("s", 1, 1.0, 1000, 63)]
+    # engine 1 counts the waiting session itself: without it, the two are equal
+    equal = [eng(0, window=4, sessions=0), eng(1, window=4, sessions=1)]
+    assert r.rebind(w, equal, lambda rank, b: True) == []
+    # its own engine's window is full (others wait for a slot there): engine 0 is better
+    full = [eng(0, window=4, sessions=0), eng(1, window=4, sessions=6)]
+    assert r.rebind(w, full, lambda rank, b: True) == [Rebind("s", 1, 0)]
+    # its own engine preferred (more room left): it stays
+    roomy = [eng(0, window=4, free_blocks=100), eng(1, window=4, sessions=1)]
+    assert r.rebind(w, roomy, lambda rank, b: True) == []
 
 
 @pytest.mark.parametrize("name", sorted(set(PLACERS) - {"mars"}))

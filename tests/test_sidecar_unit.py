@@ -155,6 +155,10 @@ def test_malformed_generation_request_is_400_not_forwarded(down):
                   "reason": "deleted"}]).encode(), "session_end.session_id: String should"),
     (json.dumps([{"kind": "kv_snapshot", "ts": 1.0, "total_blocks": 1, "free_blocks": 1,
                   "used_blocks": 0}]).encode(), "cannot be posted"),
+    # the reasons of a session going on at another engine are the sidecar's own: posted,
+    # they ended a session and left its placement behind
+    (json.dumps([{"kind": "session_end", "ts": 1.0, "session_id": "s",
+                  "reason": "requeued"}]).encode(), "are the sidecar's own"),
 ])
 def test_malformed_events_are_400_and_counted(down, payload, needle):
     r = httpx.post(down.url + "/v1/mars/events", content=payload,

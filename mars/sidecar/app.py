@@ -47,6 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mars.policy.control.admission import QueueFull
+from mars.policy.control.placement import LEAVING
 from mars.protocol.events import TOOL_KINDS, EventError, make_event
 from mars.sidecar.auth import Access, Authenticator
 from mars.sidecar.config import SidecarConfig
@@ -336,6 +337,12 @@ class Sidecar:
                 raise EventError(f"kinds {bad} cannot be posted here (only "
                                  f"{sorted(POSTABLE_KINDS)}); engine and control events "
                                  f"come from the engine and the sidecar")
+            leaving = sorted({e.reason for e in events
+                              if e.kind == "session_end" and e.reason in LEAVING})
+            if leaving:
+                raise EventError(f"session_end reasons {leaving} are the sidecar's own (a "
+                                 f"session going on at another engine); a client ends a "
+                                 f"session with another reason, e.g. 'deleted'")
             if request.scope.get(ACCESS_SCOPE_KEY) is Access.EVENTS and any(
                     e.kind == "session_end" for e in events):
                 self.metrics.events_rejected.inc()

@@ -39,7 +39,7 @@ log = logging.getLogger("mars.sidecar.control")
 MIN_STEP_GAP_S = 0.002
 
 __all__ = ["AdmissionTimeout", "ControlPlane", "OBSERVED_KINDS", "QueueFull", "STEP_KINDS",
-           "Session", "SessionClosed"]
+           "Session", "SessionClosed", "SessionRequeued"]
 
 #: the core's session record is what the app holds while a request is in flight
 Session = SessionState
@@ -55,8 +55,9 @@ class SessionClosed(Exception):
 
 
 class SessionRequeued(Exception):
-    """The session, still queued, moved to another engine's queue (MARS placement's late
-    binding, :meth:`EngineSet.rebind`): the request waits there instead."""
+    """The session moved, while queued, to another engine's queue (MARS placement's late
+    binding, ``EngineSet._rebind``) and was admitted there: the request goes on at that
+    engine (its caller places the call again and acquires there, where it is admitted)."""
 
 
 class ControlPlane:
@@ -73,6 +74,9 @@ class ControlPlane:
         self._emit = emit
         self._on_ended_hook = on_ended
         self._after_step = after_step
+        #: the control plane that holds session ``sid`` now (several engines: a queued
+        #: session may move to another engine's while its requests wait here); None: this
+        self.owner_of: Callable[[str], "ControlPlane | None"] = lambda sid: None
         self.core = AdmissionCore(
             CoreConfig(admission=config.admission,
                        admission_config=admission_config or config.admission_config,
@@ -134,25 +138,35 @@ class ControlPlane:
         self.kick()
 
     def _on_requeued(self, s: Session) -> None:
-        fut = self._futures.pop(s.id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(SessionRequeued(f"session {s.id!r} moved to another engine"))
-            fut.exception()
         self.kick()  # (whoever queued behind it may fit now)
 
-    def take_queued(self, s: Session, qs: QueuedSession) -> None:
-        """A session queued at another engine, moved here: its waiters come to
-        :meth:`acquire` here (they were told :class:`SessionRequeued`)."""
+    def hand_over(self, sid: str) -> asyncio.Future | None:
+        """The admission future of a session that left this engine's queue (its waiters
+        await it; :meth:`take_queued` gives it to the engine that took the session)."""
+        return self._futures.pop(sid, None)
+
+    def take_queued(self, s: Session, qs: QueuedSession,
+                    future: asyncio.Future | None = None) -> None:
+        """A session queued at another engine, moved here with the future its waiters
+        await: this engine's admission (or end) settles it, as for its own sessions."""
         self.core.transfer_in(s, qs)
+        if future is not None and not future.done():
+            self._futures[s.id] = future
         self.kick()
+
+    def _owner(self, s: Session) -> "ControlPlane":
+        cp = self.owner_of(s.id)
+        return cp if cp is not None and cp.core.sessions.get(s.id) is s else self
 
     # ------------------------------------------------------------------ requests
     async def acquire(self, sid: str, *, one_shot: bool = False, last_round: bool = False,
                       prompt_tokens: Callable[[], int] | None = None) -> Session:
         """Hold the caller until session ``sid`` is admitted; count the request in flight.
 
-        Raises :class:`QueueFull`, :class:`AdmissionTimeout`, :class:`SessionClosed`, or
-        ``CancelledError`` (client gone), each after cleaning up after itself.
+        Raises :class:`QueueFull`, :class:`AdmissionTimeout`, :class:`SessionClosed`,
+        :class:`SessionRequeued` (admitted at the engine it moved to: acquire there), or
+        ``CancelledError`` (client gone), each after cleaning up after itself -- at the
+        engine that holds the session by then.
         """
         core = self.core
         start = time.time()
@@ -168,7 +182,7 @@ class ControlPlane:
             stall_s = self.config.admission_timeout_s
             try:
                 while True:  # the deadline moves on while the admitted sessions progress
-                    remaining = core.wait_deadline(start, stall_s) - time.time()
+                    remaining = self._owner(s).core.wait_deadline(start, stall_s) - time.time()
                     if remaining <= 0 and not fut.done():  # (admitted as the time ran out)
                         raise TimeoutError
                     try:
@@ -183,15 +197,17 @@ class ControlPlane:
                        f"session end, finished request, engine output or tool end) for "
                        f"{stall_s:g} s (--admission-timeout; {self.in_use} sessions admitted, "
                        f"{self.queued} queued); retry later")
-                core.give_up(s, "error", time.time())
+                self._owner(s).core.give_up(s, "error", time.time())
                 raise AdmissionTimeout(msg) from None
             except asyncio.CancelledError:
-                core.give_up(s, "disconnect", time.time())
+                self._owner(s).core.give_up(s, "disconnect", time.time())
                 raise
-            except (SessionClosed, SessionRequeued):
+            except SessionClosed:
                 s.waiting -= 1
                 raise
             s.waiting -= 1
+            if self._owner(s) is not self:
+                raise SessionRequeued(f"session {sid!r} was admitted at another engine")
         core.forward(s, time.time(), last_round=last_round)
         return s
 

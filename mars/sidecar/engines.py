@@ -108,6 +108,10 @@ class EngineSet:
             self.engines.append(Engine(rank, upstream, control, events, EngineTracker(rank),
                                        headers=headers))
         self._probe: asyncio.Task | None = None
+        self._rebinding = False
+        if self.multi:
+            for e in self.engines:
+                e.control.owner_of = self._owner_of
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -225,9 +229,10 @@ class EngineSet:
 
     def _rebind(self, now: float) -> None:
         """After a control step: queued sessions move to an engine that would admit them
-        now (MARS placement's late binding, :meth:`SessionRouter.rebind`); each waiting
-        request follows its session (:class:`~mars.sidecar.control.SessionRequeued`)."""
-        if not self.router.placer.rebinds_queued:
+        now (MARS placement's late binding, :meth:`SessionRouter.rebind`), with the future
+        their waiting requests await; the engine that takes one steps at once, so that a
+        session is admitted where it moved before any other engine can ask for it back."""
+        if self._rebinding or not self.router.placer.rebinds_queued:
             return
         live = [e for e in self.engines if e.alive]
         waiting = [Waiting(qs.session_id, e.rank, qs.enqueued_at, qs.prompt_tokens,
@@ -236,17 +241,31 @@ class EngineSet:
         if not waiting or not any(e.control.core.would_admit(0, now) for e in live):
             return
         engines = self.engines
-        for mv in self.router.rebind(
-                waiting, [self._load(e) for e in engines],
-                lambda rank, blocks: engines[rank].alive and
-                engines[rank].control.core.would_admit(blocks, now)):
-            got = engines[mv.source].control.core.transfer_out(mv.session_id, now)
-            if got is None:  # (it was queued there a moment ago)
-                log.error("rebind: %s was not queued at engine %d", mv.session_id, mv.source)
-                self.router.end(mv.session_id)
-                continue
-            self.metrics.session_rebinds.inc()
-            engines[mv.target].control.take_queued(*got)
+        moves = self.router.rebind(
+            waiting, [self._load(e) for e in engines],
+            lambda rank, blocks: engines[rank].alive and
+            engines[rank].control.core.would_admit(blocks, now))
+        self._rebinding = True
+        try:
+            for mv in moves:
+                src, dst = engines[mv.source].control, engines[mv.target].control
+                if mv.session_id in dst.sessions:
+                    continue  # (listed at two engines: left where it is)
+                got = src.core.transfer_out(mv.session_id, now)
+                if got is None:  # (it was queued there a moment ago)
+                    log.error("rebind: %s was not queued at engine %d", mv.session_id,
+                              mv.source)
+                    continue
+                dst.take_queued(*got, src.hand_over(mv.session_id))
+                self.router.rebound(mv.session_id, mv.target)
+                self.metrics.session_rebinds.inc()
+                dst.step(now)
+        finally:
+            self._rebinding = False
+
+    def _owner_of(self, sid: str) -> ControlPlane | None:
+        rank = self.router.engine_of(sid)
+        return self.engines[rank].control if rank is not None else None
 
     def refused(self, e: Engine, sid: str) -> None:
         """The call placed on ``e`` was refused before its session began there (queue full,

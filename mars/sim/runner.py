@@ -504,7 +504,7 @@ class Simulation:
 
     def _rebind(self, now: float) -> None:
         """Queued sessions move to an engine that would admit them now (MARS placement's
-        late binding, as the served EngineSet.rebind), after the control steps that could
+        late binding, as the served EngineSet._rebind), after the control steps that could
         have changed who admits what."""
         lanes = self.lanes
         if not self.router.placer.rebinds_queued:
@@ -529,6 +529,7 @@ class Simulation:
             if got is None:  # (cannot happen: it was queued there a moment ago)
                 raise SimError(f"rebind: {mv.session_id} was not queued at engine {src.rank}")
             dst.control.take_queued(*got, now)
+            self.router.rebound(mv.session_id, dst.rank)
             for r in self._queued.get(mv.session_id, []):
                 r.lane = dst
             dst.control.settle(now)

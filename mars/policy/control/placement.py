@@ -21,8 +21,9 @@ Two roles, as in vLLM's ``v1/core/sched`` (policy separate from mechanism):
 :class:`SessionRouter`
     The mechanism: remembers where each session went, sends its later rounds there while
     that engine is alive (for placers that keep sessions; the per-call baselines re-place every
-    call, as they do in their own systems), moves a session only when its engine is gone, and
-    counts the moves.
+    call, as they do in their own systems), moves an admitted session only when its engine
+    is gone, and counts the moves; a session still queued may move to an engine that admits
+    it at once (MARS's late binding, :meth:`SessionRouter.rebind`), counted apart.
 
 Framework-free: no vLLM, no HTTP; the sidecar and the simulator fill :class:`EngineLoad`
 from each engine's own events.
@@ -34,7 +35,7 @@ import abc
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,12 @@ class Placer(abc.ABC):
     #: would admit it now (:meth:`SessionRouter.rebind`): MARS's late binding
     rebinds_queued: bool = False
 
+    def keys(self, call: Call, engines: Sequence[EngineLoad]) -> dict[int, tuple]:
+        """Each alive engine's key for ``call``, lower better: what late binding compares
+        (a queued session moves only to an engine strictly better than its own). Placers
+        that set ``rebinds_queued`` provide it."""
+        raise NotImplementedError(f"{self.name} does not rebind queued sessions")
+
     @abc.abstractmethod
     def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
         """The rank to send ``call`` to, among the alive ``engines`` (never empty)."""
@@ -165,8 +172,8 @@ class MarsPlacer(Placer):
 
     The choice binds a session to an engine only once it is admitted there. Until then it
     holds nothing at that engine (no KV, no call in flight), so where it waits is no
-    commitment: when another engine would admit it now and its own would not, it moves
-    (:meth:`SessionRouter.rebind`). Without that, N engines are N separate queues: a session
+    commitment: when another engine would admit it now and this placer, choosing among its
+    own engine and those, prefers another, it moves (:meth:`SessionRouter.rebind`). Without that, N engines are N separate queues: a session
     waits behind its engine's window while another engine has a free slot and room, the
     pooling loss of N single-server queues against one N-server queue. (``mars sim``, ILR-3
     at a fixed load per engine, before this: on eight engines one had sessions queued while
@@ -193,17 +200,18 @@ class MarsPlacer(Placer):
         an engine that has not reported its pool)."""
         return max(0, e.free_blocks - e.committed_blocks) if e.has_kv_stats else None
 
-    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+    def keys(self, call: Call, engines: Sequence[EngineLoad]) -> dict[int, tuple]:
+        """Each alive engine's rank key (lower is better; the lower rank breaks a tie)."""
         live = _alive(engines)
         rooms = {e.rank: self.room_blocks(e) for e in live}
         top = max((r for r in rooms.values() if r is not None), default=0)
+        return {e.rank: (e.wait_line, self.cost_s(call, e),
+                         -(top if rooms[e.rank] is None else rooms[e.rank]), e.sessions)
+                for e in live}
 
-        def key(e: EngineLoad) -> tuple:
-            room = rooms[e.rank]
-            return (e.wait_line, self.cost_s(call, e), -(top if room is None else room),
-                    e.sessions, e.rank)
-
-        return min(live, key=key).rank
+    def choose(self, call: Call, engines: Sequence[EngineLoad]) -> int:
+        keys = self.keys(call, engines)
+        return min(keys, key=lambda r: (keys[r], r))
 
 
 class VllmDpPlacer(Placer):
@@ -404,34 +412,62 @@ class SessionRouter:
         the placer ``rebinds_queued``). ``admits(rank, est_blocks)``: whether engine
         ``rank``'s control plane would admit, at its next step, a new session needing
         ``est_blocks`` (it answers no while it has a queue of its own, so a moved session
-        never overtakes the ones waiting there).
+        never overtakes the ones waiting there); asked as little as its monotony allows (an
+        engine that refuses N blocks refuses more).
 
         The longest-waiting session goes first, across engines (arrival order, as one queue
-        would serve them). Among its own engine and those that would admit it, the placer
-        chooses as for a new session; if it chooses another, the session moves there and
-        that engine takes no other in this call (it has a queue now). The caller moves each
-        session between its engines' queues; the router records where it is."""
+        would serve them). It moves to the best of the engines that would admit it, by the
+        placer's :meth:`Placer.keys`, only when that one is strictly better than its own
+        engine (counted without the session itself, which is only waiting there; a tie
+        stays, so two equal engines never trade a session back and forth); that engine
+        takes no other in this call (it has a queue now). A session listed
+        twice is left where it is. The caller moves each session and then records it
+        (:meth:`rebound`); nothing here changes the router."""
         if not self.placer.rebinds_queued or not waiting:
             return []
         by_rank = {e.rank: e for e in engines}
-        open_ = {e.rank for e in engines if e.alive and admits(e.rank, 0)}
+        yes: dict[int, int] = {}  # rank -> most blocks it was seen to admit
+        no: dict[int, int] = {}  # rank -> fewest blocks it was seen to refuse
+
+        def ok(rank: int, blocks: int) -> bool:
+            if blocks <= yes.get(rank, -1):
+                return True
+            if blocks >= no.get(rank, math.inf):
+                return False
+            if admits(rank, blocks):
+                yes[rank] = blocks
+                return True
+            no[rank] = blocks
+            return False
+
+        open_ = {e.rank for e in engines if e.alive and ok(e.rank, 0)}
+        counts: dict[str, int] = {}
+        for w in waiting:
+            counts[w.session_id] = counts.get(w.session_id, 0) + 1
         out: list[Rebind] = []
         for w in sorted(waiting, key=lambda w: (w.since, w.session_id)):
             if not open_:
                 break
+            if counts[w.session_id] > 1:
+                continue
             takers = [by_rank[r] for r in sorted(open_)
-                      if r != w.rank and admits(r, w.est_blocks)]
+                      if r != w.rank and ok(r, w.est_blocks)]
             if not takers:
                 continue
-            here = [by_rank[w.rank]] if w.rank in by_rank else []
-            rank = self.placer.choose(Call(w.session_id, w.prompt_tokens), here + takers)
-            if rank == w.rank:
-                continue
+            here = [replace(by_rank[w.rank], sessions=max(0, by_rank[w.rank].sessions - 1))
+                    ] if w.rank in by_rank and by_rank[w.rank].alive else []
+            keys = self.placer.keys(Call(w.session_id, w.prompt_tokens), here + takers)
+            rank = min((t.rank for t in takers), key=lambda r: (keys[r], r))
+            if w.rank in keys and not keys[rank] < keys[w.rank]:
+                continue  # its own engine is as good: a tie never moves a session
             open_.discard(rank)
-            self._where[w.session_id] = rank
-            self.rebinds += 1
             out.append(Rebind(w.session_id, w.rank, rank))
         return out
+
+    def rebound(self, session_id: str, rank: int) -> None:
+        """A queued session moved to engine ``rank`` (a :meth:`rebind` the caller did)."""
+        self._where[session_id] = rank
+        self.rebinds += 1
 
     def engine_of(self, session_id: str) -> int | None:
         return self._where.get(session_id)

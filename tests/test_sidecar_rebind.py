@@ -1,0 +1,111 @@
+"""Late binding in the served sidecar's own classes (``EngineSet``, ``ControlPlane``) on
+one event loop, no HTTP and no engine: the moments between a session's move and its
+waiting request resuming, which the real-process test (tests/test_sidecar_placement.py)
+cannot aim at. Each case failed on the first version of the served rebinding (a review
+found them): a session traded back and forth between two equal engines without end, and a
+client gone just after the move leaving an ended session holding a slot at the engine it
+moved to."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mars.sidecar.config import SidecarConfig
+from mars.sidecar.control import SessionRequeued
+from mars.sidecar.engines import EngineSet
+from mars.sidecar.metrics import SidecarMetrics
+
+
+def _set() -> tuple[EngineSet, list[dict]]:
+    cfg = SidecarConfig(upstream="http://127.0.0.1:1",
+                        upstreams=("http://127.0.0.1:1", "http://127.0.0.1:2"), admission=True)
+    events: list[dict] = []
+    es: EngineSet | None = None
+
+    def emit(ev, source):
+        events.append(ev)
+        es.observe(ev)
+
+    es = EngineSet(cfg, emit, SidecarMetrics())
+    return es, events
+
+
+def _pool(es: EngineSet, rank: int, free: int) -> None:
+    now = time.time()
+    es.observe({"kind": "scheduler_start", "ts": now, "scheduler_cls": "x", "policy": "mars",
+                "total_blocks": 1000, "block_size": 16, "pid": 1, "engine": rank})
+    es.observe({"kind": "kv_snapshot", "ts": now, "total_blocks": 1000, "free_blocks": free,
+                "used_blocks": 1000 - free, "running": 1, "waiting": 0, "engine": rank})
+
+
+async def _follow(es: EngineSet, sid: str) -> tuple[int, object]:
+    """What app.py does: acquire where the session is placed, follow it when it moved."""
+    eng, _ = es.place(sid, lambda: 100)
+    hops = 0
+    while True:
+        try:
+            return hops, await eng.control.acquire(sid, prompt_tokens=lambda: 100)
+        except SessionRequeued:
+            hops += 1
+            eng, _ = es.place(sid, lambda: 100)
+
+
+def test_two_equal_engines_never_trade_a_queued_session():
+    async def main():
+        es, _ = _set()
+        for r in range(2):
+            _pool(es, r, 900)
+            es[r].control.step()
+        task = asyncio.ensure_future(_follow(es, "s"))
+        await asyncio.sleep(0)  # queued at engine 0, its step kicked
+        es[1].control.step()  # engine 1's timer lands first
+        hops, s = await asyncio.wait_for(task, 5.0)
+        return es, hops, s
+
+    es, hops, s = asyncio.run(main())
+    assert s.is_admitted and es.router.rebinds == 0 and hops == 0
+    assert [e.control.in_use for e in es.engines] == [1, 0]
+
+
+@pytest.mark.parametrize("leaves", [False, True], ids=["served", "client-gone"])
+def test_a_moved_session_is_admitted_where_it_went_and_cleaned_up_there(leaves):
+    async def main():
+        es, events = _set()
+        _pool(es, 0, 900)
+        _pool(es, 1, 900)
+        es.router._where["h0"] = 0  # one session admitted on engine 0 ...
+        es[0].control.core.arrive("h0", time.time())
+        es[0].control.step()
+        _pool(es, 0, 20)  # ... whose pool is then nearly full: nothing more fits there
+        for e in es.engines:
+            e.control.step()
+        es.router._where["s"] = 0  # placed there when engine 0 still looked roomier
+        task = asyncio.ensure_future(_follow(es, "s"))
+        await asyncio.sleep(0)
+        assert es[0].control.queued == 1
+        es[1].control.step()  # engine 1 would admit it: it moves and is admitted at once
+        assert es.router.engine_of("s") == 1 and es.router.rebinds == 1
+        assert es[1].control.sessions["s"].is_admitted
+        if leaves:  # the client goes before its request resumes
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return es, events, None
+        return es, events, await asyncio.wait_for(task, 5.0)
+
+    es, events, got = asyncio.run(main())
+    ends = [(e["reason"], e.get("engine")) for e in events
+            if e["kind"] == "session_end" and e["session_id"] == "s"]
+    assert "s" not in es[0].control.sessions and es[0].control.queued == 0
+    if leaves:
+        # ended where it was: its slot there given back, the router forgets it
+        assert ends == [("requeued", 0), ("disconnect", 1)]
+        assert es[1].control.in_use == 0 and "s" not in es[1].control.sessions
+        assert es.router.engine_of("s") is None
+    else:
+        hops, s = got
+        assert hops == 1 and s.is_admitted and s.inflight == 1 and s.waiting == 0
+        assert ends == [("requeued", 0)] and es[1].control.in_use == 1
