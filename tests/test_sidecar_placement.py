@@ -89,6 +89,17 @@ def _until(cond, timeout_s: float = 10.0) -> bool:
     return True
 
 
+def _publish_pools(pubs, free) -> None:
+    """Each stand-in engine's start and a pool of 1,000 blocks with ``free[r]`` free."""
+    now = time.time()
+    for r, pub in enumerate(pubs):
+        pub.publish({"kind": "scheduler_start", "ts": now, "scheduler_cls": "fake",
+                     "policy": "mars", "total_blocks": 1000, "block_size": 16, "pid": 1})
+        pub.publish({"kind": "kv_snapshot", "ts": now, "total_blocks": 1000,
+                     "free_blocks": free[r], "used_blocks": 1000 - free[r],
+                     "running": 1, "waiting": 0})
+
+
 @pytest.fixture
 def engines():
     es = [FakeEngine().start(), FakeEngine().start()]
@@ -196,13 +207,7 @@ def test_each_engine_has_its_own_window_from_its_own_events(engines, tmp_path):
     free = (20, 900)
 
     def publish() -> None:
-        now = time.time()
-        for r, pub in enumerate(pubs):
-            pub.publish({"kind": "scheduler_start", "ts": now, "scheduler_cls": "fake",
-                         "policy": "mars", "total_blocks": 1000, "block_size": 16, "pid": 1})
-            pub.publish({"kind": "kv_snapshot", "ts": now, "total_blocks": 1000,
-                         "free_blocks": free[r], "used_blocks": 1000 - free[r],
-                         "running": 1, "waiting": 0})
+        _publish_pools(pubs, free)
 
     sc = SidecarProcess(",".join(e.url for e in engines), args=[
         "--engine-events", ",".join(eps), "--events-file", str(tmp_path / "events.jsonl")])
@@ -244,13 +249,7 @@ def test_a_queued_session_moves_to_the_engine_that_can_admit_it(engines, tmp_pat
     free = [900, 900]
 
     def publish() -> None:
-        now = time.time()
-        for r, pub in enumerate(pubs):
-            pub.publish({"kind": "scheduler_start", "ts": now, "scheduler_cls": "fake",
-                         "policy": "mars", "total_blocks": 1000, "block_size": 16, "pid": 1})
-            pub.publish({"kind": "kv_snapshot", "ts": now, "total_blocks": 1000,
-                         "free_blocks": free[r], "used_blocks": 1000 - free[r],
-                         "running": 1, "waiting": 0})
+        _publish_pools(pubs, free)
 
     def utilisation() -> list:
         return [e["signals"]["kv_utilisation"] for e in _placement(sc)["engines"]]
