@@ -17,11 +17,16 @@ BASE_ARGS = ["--max-model-len", "16384", "--kv-cache-memory-bytes", SMALL_KV,
 
 
 def read_events(path: str | os.PathLike, kind: str | None = None) -> list[dict]:
+    """The complete events of a JSONL file that may still be being written."""
     p = Path(path)
     if not p.exists():
         return []
+    text = p.read_text()
+    # The writer appends whole lines, but a reader polling the live file can catch the last
+    # one half-written: only lines that end in a newline are complete. A bad complete line
+    # still fails the test.
     out = []
-    for line in p.read_text().splitlines():
+    for line in text[:text.rfind("\n") + 1].splitlines():
         if line.strip():
             ev = json.loads(line)
             if kind is None or ev.get("kind") == kind:
