@@ -131,3 +131,43 @@ def test_task_script_builds_the_replays_prompts_and_cuts_at_the_context_limit():
     assert s2.skip_reason() is None
     assert "would need" in s2.after(gen) and s2.k == 0
     assert "over the server's max_model_len" in TaskScript(task, space, "j", 10).skip_reason()
+
+
+def test_a_session_moved_away_and_back_waits_on_its_latest_stay():
+    """A queued session moved A -> B -> A (late binding between two engines' control
+    planes): the timeout timer of its first stay at A must not come back to life when it
+    returns; it waits one stall bound from its return."""
+    from mars.sim.control import SimControl, sidecar_config
+
+    clock, tl = VirtualClock(0.0), Timeline()
+    failed: list = []
+    ctls = []
+    for rank in range(2):
+        sc = sidecar_config(True, 4, 16)
+        sc.admission_config.aimd.initial_window = sc.admission_config.aimd.max_window = 1
+        sc.admission_config.aimd.min_window = 1
+        sc.idle_timeout_s = 10 * sc.admission_timeout_s
+        ctl = SimControl(sc, clock, tl, admitted=lambda s, t: None,
+                         failed=lambda s, why, t: failed.append((s.id, t)),
+                         record=lambda ev: None, engine=rank)
+        held = ctl.arrive(f"held-{rank}", 0.0, 10)  # the window's one slot, idle
+        ctl.settle(0.0)
+        assert held.is_admitted
+        ctls.append(ctl)
+    a, b = ctls
+    bound = a.sidecar.admission_timeout_s
+    s = a.arrive("s", 0.0, 10)
+    a.settle(0.0)
+    assert not s.is_admitted
+    for t, src, dst in ((10.0, a, b), (20.0, b, a)):
+        clock.advance_to(t)
+        tl.run_due(t)
+        got = src.core.transfer_out("s", t)
+        assert got is not None
+        dst.take_queued(*got, t)
+    clock.advance_to(bound + 1.0)
+    tl.run_due(clock())  # its first stay's bound has passed: not its latest
+    assert not failed and a.core.sessions["s"] is s and s.waiting == 1
+    clock.advance_to(20.0 + bound + 0.01)
+    tl.run_due(clock())
+    assert failed == [("s", pytest.approx(20.0 + bound))]

@@ -70,6 +70,9 @@ class SimControl:
         #: sessions the core admitted during a step: forwarded once the step has emitted its
         #: window_update / session_admit (the served waiters wake on a later loop iteration)
         self._newly_admitted: list[SessionState] = []
+        #: each queued session's current stay here: a session moved away and back (late
+        #: binding) starts a new one, and the timers of an earlier stay are void
+        self._stay: dict[str, object] = {}
 
     # ------------------------------------------------------------------ hub
     def publish(self, ev: dict[str, Any]) -> None:
@@ -97,17 +100,20 @@ class SimControl:
         if not s.is_admitted:
             s.waiting += 1
             self._kicked = True
-            deadline = self.core.wait_deadline(now, self.sidecar.admission_timeout_s)
-            self.timeline.at(deadline, lambda t, s=s, since=now: self._timeout(s, since, t))
+            self._wait(s, now, self._stay.setdefault(sid, object()))
         return s
 
-    def _timeout(self, s: SessionState, since: float, t: float) -> None:
-        if s.is_admitted or s.ended or s.waiting <= 0 or self.core.sessions.get(s.id) is not s:
-            return  # (admitted, over, or waiting at another engine now: its timer there)
+    def _wait(self, s: SessionState, since: float, stay: object) -> None:
+        deadline = self.core.wait_deadline(since, self.sidecar.admission_timeout_s)
+        self.timeline.at(deadline, lambda t, s=s, since=since, stay=stay:
+                         self._timeout(s, since, t, stay))
+
+    def _timeout(self, s: SessionState, since: float, t: float, stay: object) -> None:
+        if s.is_admitted or s.ended or s.waiting <= 0 or self._stay.get(s.id) is not stay:
+            return  # (admitted, over, or waiting elsewhere or anew: its timer there)
         stall_s = self.sidecar.admission_timeout_s
-        deadline = self.core.wait_deadline(since, stall_s)
-        if deadline > t:  # things progressed meanwhile: wait on
-            self.timeline.at(deadline, lambda t2, s=s, since=since: self._timeout(s, since, t2))
+        if self.core.wait_deadline(since, stall_s) > t:  # things progressed meanwhile
+            self._wait(s, since, stay)
             return
         waiting = s.waiting
         for _ in range(waiting):
@@ -125,6 +131,7 @@ class SimControl:
         self.core.end_session(sid, reason, now)
 
     def _on_requeued(self, s: SessionState) -> None:
+        self._stay.pop(s.id, None)
         self._kicked = True  # (a step may admit whoever was behind it)
 
     def take_queued(self, s: SessionState, qs: QueuedSession, now: float) -> None:
@@ -133,11 +140,12 @@ class SimControl:
         self.core.transfer_in(s, qs)
         self._start_timer(now)
         self._kicked = True
+        stay = self._stay[s.id] = object()
         if s.waiting:
-            deadline = self.core.wait_deadline(now, self.sidecar.admission_timeout_s)
-            self.timeline.at(deadline, lambda t, s=s, since=now: self._timeout(s, since, t))
+            self._wait(s, now, stay)
 
     def _on_admitted(self, s: SessionState, queued_s: float) -> None:
+        self._stay.pop(s.id, None)
         if s.waiting:
             s.waiting = 0
             self._newly_admitted.append(s)
@@ -149,6 +157,7 @@ class SimControl:
             self._admitted(s, now)
 
     def _on_ended(self, s: SessionState, reason: str) -> None:
+        self._stay.pop(s.id, None)
         if self._on_ended_hook is not None:
             self._on_ended_hook(s.id, reason)
         if s.waiting and not s.is_admitted:
