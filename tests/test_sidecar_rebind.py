@@ -109,3 +109,60 @@ def test_a_moved_session_is_admitted_where_it_went_and_cleaned_up_there(leaves):
         hops, s = got
         assert hops == 1 and s.is_admitted and s.inflight == 1 and s.waiting == 0
         assert ends == [("requeued", 0)] and es[1].control.in_use == 1
+
+
+def test_sessions_queued_at_an_engine_that_goes_down_move_with_their_waiters():
+    """An engine found down: the sessions queued at its door go, with their waiting
+    requests, to an alive engine's queue (not left to wait for admissions a dead engine
+    would make late or never), and are admitted there when it has room."""
+    async def main():
+        es, events = _set()
+        for r in range(2):  # one session admitted on each engine, then both pools full
+            _pool(es, r, 900)
+            es.router._where[f"h{r}"] = r
+            es[r].control.core.arrive(f"h{r}", time.time())
+            es[r].control.step()
+            _pool(es, r, 20)
+        task = asyncio.ensure_future(_follow(es, "s"))
+        await asyncio.sleep(0)
+        assert es.router.engine_of("s") == 0 and es[0].control.queued == 1
+        for e in es.engines:
+            e.control.step()
+        assert es.router.rebinds == 0 and not task.done()  # no room anywhere: it waits
+        es.down(es[0])
+        assert es.router.engine_of("s") == 1 and es[1].control.queued == 1
+        assert es[0].control.queued == 0 and es.router.moves == 1
+        await asyncio.sleep(0)
+        assert not task.done()  # queued at engine 1 now, still no room there
+        es[1].control.end(es[1].control.sessions["h1"], "last_round")  # h1 done: room
+        _pool(es, 1, 900)
+        es[1].control.step()
+        return es, events, await asyncio.wait_for(task, 5.0)
+
+    es, events, (hops, s) = asyncio.run(main())
+    assert hops == 1 and s.is_admitted and es[1].control.sessions["s"] is s
+    ends = [(e["reason"], e.get("engine")) for e in events
+            if e["kind"] == "session_end" and e["session_id"] == "s"]
+    assert ends == [("requeued", 0)]
+    assert es.metrics.session_moves._value.get() == 1
+
+
+def test_with_no_engine_alive_the_queued_sessions_stay():
+    async def main():
+        es, _ = _set()
+        for r in range(2):
+            _pool(es, r, 900)
+            es.router._where[f"h{r}"] = r
+            es[r].control.core.arrive(f"h{r}", time.time())
+            es[r].control.step()
+            _pool(es, r, 20)
+        task = asyncio.ensure_future(_follow(es, "s"))
+        await asyncio.sleep(0)
+        es.down(es[1])
+        es.down(es[0])  # the last one: nowhere to go
+        assert es.router.engine_of("s") == 0 and es[0].control.queued == 1
+        task.cancel()
+        return es
+
+    es = asyncio.run(main())
+    assert es.router.moves == 0

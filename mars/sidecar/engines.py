@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import zlib
 from collections.abc import Callable
 from functools import partial
@@ -286,6 +287,44 @@ class EngineSet:
             e.failures += 1
             log.warning("engine %d (%s) is down: %s", e.rank, e.upstream.base_url,
                         e.upstream.last_error)
+            self._evacuate(e, time.time())
+
+    def _evacuate(self, e: Engine, now: float) -> None:
+        """Engine ``e`` is down: the sessions queued at its door hold nothing there, and would
+        wait for admissions that its control plane, seeing no progress, makes late or never
+        (then fail at ``--admission-timeout``, minutes later). Each goes, with its arrival
+        time and its waiting requests, to the engine placement picks among the alive ones,
+        queued there (counted as a move, as an admitted session's is when its engine goes);
+        the engines that took some step at once. With no engine alive they stay: a session's
+        next call fails at once, saying so."""
+        live = [x for x in self.engines if x.alive]
+        queued = e.control.core.queued_sessions()
+        if not live or not queued:
+            return
+        took: set[int] = set()
+        moved = 0
+        self._rebinding = True  # (no late binding while the queue moves)
+        try:
+            for qs in queued:
+                sid = qs.session_id
+                call = Call(sid, qs.prompt_tokens, {x.rank: x.tracker.cached_tokens(sid)
+                                                    for x in live})
+                d = self.router.route(call, [self._load(x) for x in self.engines])
+                got = e.control.core.transfer_out(sid, now)
+                if got is None:  # (it was queued there a moment ago)
+                    continue
+                dst = self.engines[d.rank].control
+                dst.take_queued(*got, e.control.hand_over(sid))
+                if d.moved:
+                    self.metrics.session_moves.inc()
+                took.add(d.rank)
+                moved += 1
+            for rank in sorted(took):
+                self.engines[rank].control.step(now)
+        finally:
+            self._rebinding = False
+        log.warning("engine %d is down: %d queued session(s) moved to engine(s) %s", e.rank,
+                    moved, ", ".join(map(str, sorted(took))))
 
     async def _probe_down(self) -> None:
         while True:
