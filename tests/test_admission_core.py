@@ -295,3 +295,33 @@ def test_without_admission_nothing_is_queued_to_move():
     sh.core.arrive("a", 0.0)
     assert not sh.core.would_admit(0, 1.0) and sh.core.queued_sessions() == []
     assert sh.core.transfer_out("a", 1.0) is None
+
+
+def test_the_placement_view_is_the_snapshot_s_placement_fields():
+    """``load_view`` (what placement reads of every engine, at every new session) gives the
+    same numbers as the full snapshot, with admission on and off, before and after a step."""
+    from mars.policy.control.placement import EngineTracker
+
+    for admission in (True, False):
+        sh = Shell(admission=admission, window=4)
+        c = sh.core
+        views = []
+        c.observe(make_event("kv_snapshot", ts=0.0, total_blocks=1000, free_blocks=700,
+                             used_blocks=300, running=2, waiting=0), 0.0)
+        views.append((c.load_view(0.0), c.snapshot(0.0)))
+        a = c.arrive("a", 0.0, prompt_tokens=100 * 16)
+        c.arrive("b", 0.0, prompt_tokens=50 * 16)
+        c.step(0.5)
+        c.forward(a, 0.6)
+        c.observe(make_event("gpu_submit", ts=0.7, session_id="a", request_id="a.r0",
+                             round=0, prompt_tokens=120 * 16, projected_blocks=120), 0.7)
+        views.append((c.load_view(1.0), c.snapshot(1.0)))
+        for view, snap in views:
+            assert view == {"budget": snap["budget"],
+                            "projected_blocks": snap["projected_blocks"],
+                            "inflight": snap["inflight"],
+                            "signals": {"used_blocks": snap["signals"]["used_blocks"]}}
+            t = EngineTracker(0)
+            assert t.load_with(view) == t.load_with(snap)
+        assert views[-1][0]["inflight"] == 1 and views[-1][0]["signals"]["used_blocks"] == 300
+        assert (views[-1][0]["budget"] is not None) == admission

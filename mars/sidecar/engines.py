@@ -276,7 +276,7 @@ class EngineSet:
             self.router.end(sid)
 
     def _load(self, e: Engine):
-        return e.tracker.load_with(e.control.snapshot(), alive=e.alive,
+        return e.tracker.load_with(e.control.core.load_view(time.time()), alive=e.alive,
                                    sessions=self.router.sessions_on(e.rank))
 
     def down(self, e: Engine) -> None:

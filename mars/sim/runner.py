@@ -494,7 +494,7 @@ class Simulation:
         call = Call(r.sid, prompt_tokens, {ln.rank: ln.tracker.cached_tokens(r.sid)
                                            for ln in lanes})
         d = router.route(call, [ln.tracker.load_with(
-            ln.control.core.snapshot(t), sessions=router.sessions_on(ln.rank)) for ln in lanes])
+            ln.control.core.load_view(t), sessions=router.sessions_on(ln.rank)) for ln in lanes])
         if known is not None and known != d.rank:
             # a per-call placer sent the session away from its cached context: it leaves
             # that engine (between its calls, so it holds nothing in flight there)
@@ -518,7 +518,7 @@ class Simulation:
                    for ln in lanes for qs in ln.control.core.queued_sessions()]
         if not waiting or not any(ln.control.core.would_admit(0, now) for ln in lanes):
             return
-        loads = [ln.tracker.load_with(ln.control.core.snapshot(now),
+        loads = [ln.tracker.load_with(ln.control.core.load_view(now),
                                       sessions=self.router.sessions_on(ln.rank))
                  for ln in lanes]
         for mv in self.router.rebind(

@@ -365,6 +365,20 @@ class AdmissionCore:
             },
         }
 
+    def load_view(self, now: float) -> dict[str, Any]:
+        """What placement reads of this engine's control plane
+        (:meth:`mars.policy.control.placement.EngineTracker.load_with`), in
+        :meth:`snapshot`'s shape: the window's budget, the admitted sessions' projected
+        blocks, the calls in flight and the blocks in use. The placement asks every engine
+        for it at each new session and each late-binding pass; the full snapshot's other
+        fields made that cost grow with the engines (8 engines: 18 % of the sidecar's CPU,
+        experiments/bench_sidecar_engines.py)."""
+        d = self.balance.last.decision if (self.admission and self.balance.last) else None
+        return {"budget": d.budget if d else None,
+                "projected_blocks": self.balance.projected_blocks(now),
+                "inflight": self.inflight,
+                "signals": {"used_blocks": self.balance.state.signals(now).used_blocks}}
+
     def sessions_view(self, now: float) -> list[dict[str, Any]]:
         quiet = set(self.balance.quiet_sessions(now))
         state = self.balance.state

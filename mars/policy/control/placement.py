@@ -543,6 +543,7 @@ class EngineTracker:
     def load_with(self, control: Mapping, *, alive: bool = True,
                   sessions: int = 0) -> EngineLoad:
         """The load with what the engine's control plane knows (its
+        :meth:`~mars.policy.control.admission_core.AdmissionCore.load_view`, or the whole
         :meth:`~mars.policy.control.admission_core.AdmissionCore.snapshot`): the window (its
         budget; none without admission), the calls in flight, and the blocks its admitted
         sessions are projected to grow into beyond what they use now."""
