@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from bench_proxy import (MODEL, _one_stream, engine_pids, pct,  # noqa: E402
+from bench_proxy import (MODEL, _one_stream, engine_pids, pct, pin,  # noqa: E402
                          split_cores, wait_quiet)
 from mars.launch import ServerProcess, free_port  # noqa: E402
 from mars.sidecar.process import SidecarProcess  # noqa: E402
@@ -94,15 +94,6 @@ class _Background:
         elif self._proc.exitcode:
             raise RuntimeError(f"{type(self).__name__.lower()} process died "
                                f"(exit {self._proc.exitcode})")
-
-
-def _pin(pid: int, cores: list[int]) -> None:
-    """Every thread of ``pid`` on ``cores``."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cores)
-        except OSError:
-            pass
 
 
 def _renice(nice: int) -> None:
@@ -402,7 +393,7 @@ def main() -> int:
         cores = split_cores(server.proc.pid, [])
         if cores and own:  # the engine and vLLM's API server on one core, the sidecar's own
             for pid in [server.proc.pid, *engine_pids(server.proc.pid)]:
-                _pin(pid, cores["engine"])
+                pin(pid, cores["engine"])
             _renice(-5)  # the probe's own reads are not the sidecar's time
         front = cores["frontends"] if cores else None
         tap_port = free_port()
@@ -411,7 +402,7 @@ def main() -> int:
             sidecar = SidecarProcess(f"http://127.0.0.1:{tap_port}", [
                 "--admission", "on", "--engine-events", events]).start()
             if cores:
-                _pin(sidecar.proc.pid, front)
+                pin(sidecar.proc.pid, front)
             # admit the probe's session before the load (it never waits in the queue)
             httpx.post(sidecar.url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1,

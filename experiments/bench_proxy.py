@@ -171,6 +171,15 @@ async def stream_run(url: str, conc: int, tokens: int, tag: str) -> float:
     return sum(counts) / dt
 
 
+def pin(pid: int, to: list[int]) -> None:
+    """Every thread of process ``pid`` on the cores ``to``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), to)
+        except OSError:
+            pass
+
+
 def split_cores(server_pid: int, sidecar_pids: list[int]) -> dict[str, list[int]] | None:
     """EngineCore on core 0; vLLM's API server, the sidecars and this load generator on the
     others. On a GPU host the engine computes on the device and the HTTP frontends have CPU to
@@ -181,14 +190,6 @@ def split_cores(server_pid: int, sidecar_pids: list[int]) -> dict[str, list[int]
     if len(cores) < 2:
         return None
     engine, front = cores[:1], cores[1:]
-
-    def pin(pid: int, to: list[int]) -> None:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                os.sched_setaffinity(int(task.name), to)
-            except OSError:
-                pass
-
     for pid in engine_pids(server_pid):
         pin(pid, engine)
     for pid in [server_pid, *sidecar_pids, os.getpid()]:

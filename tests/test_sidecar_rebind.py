@@ -111,18 +111,24 @@ def test_a_moved_session_is_admitted_where_it_went_and_cleaned_up_there(leaves):
         assert ends == [("requeued", 0)] and es[1].control.in_use == 1
 
 
+def _both_full(es: EngineSet) -> None:
+    """One session admitted on each engine, then both pools nearly full: a new session
+    queues, and no engine would admit it."""
+    for r in range(2):
+        _pool(es, r, 900)
+        es.router._where[f"h{r}"] = r
+        es[r].control.core.arrive(f"h{r}", time.time())
+        es[r].control.step()
+        _pool(es, r, 20)
+
+
 def test_sessions_queued_at_an_engine_that_goes_down_move_with_their_waiters():
     """An engine found down: the sessions queued at its door go, with their waiting
     requests, to an alive engine's queue (not left to wait for admissions a dead engine
     would make late or never), and are admitted there when it has room."""
     async def main():
         es, events = _set()
-        for r in range(2):  # one session admitted on each engine, then both pools full
-            _pool(es, r, 900)
-            es.router._where[f"h{r}"] = r
-            es[r].control.core.arrive(f"h{r}", time.time())
-            es[r].control.step()
-            _pool(es, r, 20)
+        _both_full(es)
         task = asyncio.ensure_future(_follow(es, "s"))
         await asyncio.sleep(0)
         assert es.router.engine_of("s") == 0 and es[0].control.queued == 1
@@ -150,12 +156,7 @@ def test_sessions_queued_at_an_engine_that_goes_down_move_with_their_waiters():
 def test_with_no_engine_alive_the_queued_sessions_stay():
     async def main():
         es, _ = _set()
-        for r in range(2):
-            _pool(es, r, 900)
-            es.router._where[f"h{r}"] = r
-            es[r].control.core.arrive(f"h{r}", time.time())
-            es[r].control.step()
-            _pool(es, r, 20)
+        _both_full(es)
         task = asyncio.ensure_future(_follow(es, "s"))
         await asyncio.sleep(0)
         es.down(es[1])
