@@ -167,3 +167,33 @@ def test_with_no_engine_alive_the_queued_sessions_stay():
 
     es = asyncio.run(main())
     assert es.router.moves == 0
+
+
+def test_a_queued_session_still_held_at_another_engine_is_left_where_it_is():
+    """From a review: a session with a call still in flight at engine 1 (found down, then
+    back) whose next call queued at engine 0; engine 0 goes down. Evacuating it to engine 1,
+    which still holds its old record, raised ValueError out of ``down()`` after taking it out
+    of engine 0 (session lost). It is now left where it is."""
+    async def main():
+        es, _ = _set()
+        _pool(es, 0, 900)
+        es.router._where["h0"] = 0
+        es[0].control.core.arrive("h0", time.time())
+        es[0].control.step()
+        _pool(es, 0, 20)
+        _pool(es, 1, 900)
+        es.router._where["s"] = 1
+        s1 = es[1].control.core.arrive("s", time.time())
+        es[1].control.step()
+        es[1].control.core.forward(s1, time.time())  # a call in flight at engine 1
+        es.down(es[1])
+        task = asyncio.ensure_future(_follow(es, "s"))  # its next call: engine 0, queued
+        await asyncio.sleep(0)
+        assert es.router.engine_of("s") == 0 and es[0].control.queued == 1
+        es[1].alive = True  # its /health answered
+        es.down(es[0])  # must not raise
+        state = (es.router.engine_of("s"), es[0].control.queued, es[1].control.queued)
+        task.cancel()
+        return state
+
+    assert asyncio.run(main()) == (0, 1, 0)

@@ -299,7 +299,9 @@ class EngineSet:
         next call fails at once, saying so."""
         live = [x for x in self.engines if x.alive]
         queued = e.control.core.queued_sessions()
-        if not live or not queued:
+        # Only for placers that keep a session on one engine: a per-call placer's woken
+        # waiter places its call again (app.py) and could send it to a third engine.
+        if not live or not queued or not self.router.placer.sticky:
             return
         took: set[int] = set()
         moved = 0
@@ -307,6 +309,8 @@ class EngineSet:
         try:
             for qs in queued:
                 sid = qs.session_id
+                if any(sid in x.control.sessions for x in live):
+                    continue  # (still held where a call of it went: left where it is)
                 call = Call(sid, qs.prompt_tokens, {x.rank: x.tracker.cached_tokens(sid)
                                                     for x in live})
                 d = self.router.route(call, [self._load(x) for x in self.engines])
