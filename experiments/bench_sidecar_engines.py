@@ -181,13 +181,10 @@ def measure(n: int, args: argparse.Namespace, tmp: Path) -> dict:
             if ok != calls:
                 raise RuntimeError(f"{n} engines: {calls - ok} of {calls} calls failed")
             runs.append({"cpu_us_per_call": cpu / calls * 1e6, "calls_per_s": calls / wall})
-        state = sidecar.state()
-        placed = [e.get("placed", 0) for e in state.get("placement", {}).get("engines", [])] \
-            if n > 1 else []
-        return {"engines": n, "runs": runs, "placement": state.get("placement", {}).get(
-            "placer"), "rebinds": state.get("placement", {}).get("rebinds"),
-            "received": [e.get("engine_events_received") for e in
-                         state.get("placement", {}).get("engines", [])], "placed_end": placed}
+        placement = sidecar.state().get("placement", {})  # (absent with one engine)
+        return {"engines": n, "runs": runs, "rebinds": placement.get("rebinds"),
+                "received": [e.get("engine_events_received")
+                             for e in placement.get("engines", [])]}
     finally:
         if sidecar is not None:
             sidecar.stop()

@@ -249,20 +249,28 @@ class EngineSet:
         self._rebinding = True
         try:
             for mv in moves:
-                src, dst = engines[mv.source].control, engines[mv.target].control
+                dst = engines[mv.target].control
                 if mv.session_id in dst.sessions:
                     continue  # (listed at two engines: left where it is)
-                got = src.core.transfer_out(mv.session_id, now)
-                if got is None:  # (it was queued there a moment ago)
+                if not self._move_queued(engines[mv.source].control, dst, mv.session_id, now):
                     log.error("rebind: %s was not queued at engine %d", mv.session_id,
                               mv.source)
                     continue
-                dst.take_queued(*got, src.hand_over(mv.session_id))
                 self.router.rebound(mv.session_id, mv.target)
                 self.metrics.session_rebinds.inc()
                 dst.step(now)
         finally:
             self._rebinding = False
+
+    @staticmethod
+    def _move_queued(src: ControlPlane, dst: ControlPlane, sid: str, now: float) -> bool:
+        """Queued session ``sid`` from ``src``'s queue to ``dst``'s, with the admission future
+        its waiting requests await (False: it was not queued at ``src``)."""
+        got = src.core.transfer_out(sid, now)
+        if got is None:
+            return False
+        dst.take_queued(*got, src.hand_over(sid))
+        return True
 
     def _owner_of(self, sid: str) -> ControlPlane | None:
         rank = self.router.engine_of(sid)
@@ -314,11 +322,8 @@ class EngineSet:
                 call = Call(sid, qs.prompt_tokens, {x.rank: x.tracker.cached_tokens(sid)
                                                     for x in live})
                 d = self.router.route(call, [self._load(x) for x in self.engines])
-                got = e.control.core.transfer_out(sid, now)
-                if got is None:  # (it was queued there a moment ago)
-                    continue
-                dst = self.engines[d.rank].control
-                dst.take_queued(*got, e.control.hand_over(sid))
+                if not self._move_queued(e.control, self.engines[d.rank].control, sid, now):
+                    continue  # (it was queued there a moment ago)
                 if d.moved:
                     self.metrics.session_moves.inc()
                 took.add(d.rank)
