@@ -78,6 +78,15 @@ class StepPacer(abc.ABC):
         """Async scheduling: return when the launched step that finishes at ``done_at`` has
         finished (its outputs are read)."""
 
+    @abc.abstractmethod
+    def now(self) -> float:
+        """This pacer's clock (what transfers on the emulated host link are timed on)."""
+
+    @abc.abstractmethod
+    def until(self, t: float) -> None:
+        """Return at ``t`` on this pacer's clock: the engine blocks on something other than
+        a step (a KV transfer it must see land)."""
+
 
 class WallPacer(StepPacer):
     """Real time: sleeps until the step is due, hiding host work as async scheduling does."""
@@ -150,6 +159,14 @@ class WallPacer(StepPacer):
         if left > 0:
             self._sleep(left)
 
+    def now(self) -> float:
+        return self._clock()
+
+    def until(self, t: float) -> None:
+        left = t - self._clock()
+        if left > 0:
+            self._sleep(left)
+
 
 class VirtualPacer(StepPacer):
     """Virtual time: each step advances ``advance`` by exactly its modeled time (sync), or
@@ -183,7 +200,15 @@ class VirtualPacer(StepPacer):
 
     def wait(self, done_at: float) -> None:
         self.read += 1
-        left = done_at - self._now()
+        self.until(done_at)
+
+    def now(self) -> float:
+        if self._now is None:
+            raise RuntimeError("this VirtualPacer was given no clock's now()")
+        return self._now()
+
+    def until(self, t: float) -> None:
+        left = t - self.now()
         if left > 0:
             self._advance(left)
 

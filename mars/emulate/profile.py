@@ -109,7 +109,7 @@ class DeviceProfile:
         try:
             dev = dict(d["device"])
             gpu = GpuSpec(**dev)
-            for k in ("bf16_tflops", "hbm_tb_s", "memory_gib"):
+            for k in ("bf16_tflops", "hbm_tb_s", "memory_gib", "host_link_gb_s"):
                 v = getattr(gpu, k)
                 if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                     raise ValueError(f"device.{k} must be a positive number, got {v!r}")

@@ -20,6 +20,14 @@ from importlib import resources
 
 GIB = 1 << 30
 
+#: host <-> device copy bandwidth each way, GB/s (10^9 bytes/s). All four cards attach to the
+#: host by PCIe Gen5 x16: 64 GB/s each way on paper (NVIDIA's H100 and H200 datasheets give
+#: 128 GB/s, both ways together); a copy engine moving pinned host memory measures 55.6 GB/s
+#: (nvbandwidth ``host_to_device_memcpy_ce``, the example output in NVIDIA's NVbandwidth post).
+#: The emulated link uses the measured figure both ways. ``--emulate-config host_link_gb_s``
+#: replaces it with a measurement of one's own.
+PCIE_GEN5_X16_GB_S = 55.6
+
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
@@ -32,6 +40,8 @@ class GpuSpec:
     hbm_tb_s: float
     #: memory the card reports, GiB
     memory_gib: float
+    #: host <-> device copy bandwidth each way, GB/s (:data:`PCIE_GEN5_X16_GB_S`)
+    host_link_gb_s: float = PCIE_GEN5_X16_GB_S
 
     @property
     def flops(self) -> float:

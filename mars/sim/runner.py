@@ -250,6 +250,7 @@ class Simulation:
         wall0 = time.monotonic()
         steps0 = self._steps()
         preempt0 = self._preempted()
+        link0 = self._link_totals()
         moves0, switches0 = self.router.moves, self.router.switches
         rebinds0 = self.router.rebinds
         runs = [_TaskRun(t, TaskResult(t.task_id, t.arrival_s if mode == "load" else math.nan,
@@ -316,6 +317,8 @@ class Simulation:
                      "session_switches": self.router.switches - switches0,
                      "session_rebinds": self.router.rebinds - rebinds0}
                     if self.multi else {}),
+                 **({"host_link": _link_delta(link0, self._link_totals())}
+                    if link0 is not None else {}),
                  "command": list(sys.argv)},
             tasks=[r.result for r in runs],
             server_metrics={"vllm:num_preemptions_total":
@@ -330,6 +333,13 @@ class Simulation:
 
     def _steps(self) -> int:
         return sum(lane.engine.pacer_stats.steps for lane in self.lanes)
+
+    def _link_totals(self) -> dict[str, dict[str, float]] | None:
+        """What every engine's host link moved so far (None: no engine offloads)."""
+        got = [st for lane in self.lanes if (st := lane.engine.link_stats()) is not None]
+        if not got:
+            return None
+        return {k: {d: sum(st[k][d] for st in got) for d in got[0][k]} for k in got[0]}
 
     def _preempted(self) -> int:
         return sum(lane.engine.counters()["preempted"] for lane in self.lanes)
@@ -356,8 +366,11 @@ class Simulation:
                     stalled_since = None
                     continue
                 # the engine holds requests but scheduled nothing: only time can help
-            stalled_since = self._stalled(now, stalled_since, grace)
-            self._advance(tl.next_due())
+            wake = _after(now, eng.wake_at() if eng.has_work else None)
+            # a KV load in flight is something running: its end lets the engine go on
+            stalled_since = None if wake is not None else \
+                self._stalled(now, stalled_since, grace)
+            self._advance(_earliest(tl.next_due(), wake))
 
     def _loop_engines(self) -> None:
         """:meth:`_loop` for several engines, each on its own clock (the module docstring)."""
@@ -369,13 +382,18 @@ class Simulation:
             if tl.run_due(now):
                 for lane in lanes:  # the world moved: what was stuck may go now
                     lane.stuck = False
+            for lane in lanes:  # a KV transfer it waited for has landed
+                if lane.stuck and (w := lane.engine.wake_at()) is not None and w <= now:
+                    lane.stuck = False
             for lane in lanes:
                 lane.control.settle(now)
             self._rebind(now)
             if not self._unfinished:
                 break
             ready = [lane for lane in lanes if not lane.stuck and lane.engine.has_work]
-            nxt = tl.next_due()
+            wake = _earliest(*(_after(now, ln.engine.wake_at()) for ln in lanes
+                               if ln.stuck and ln.engine.has_work))
+            nxt = _earliest(tl.next_due(), wake)
             if ready:
                 # an idle engine's clock lags the world's: it starts when the world is there
                 lane = min(ready, key=lambda ln: (max(ln.clock(), now), ln.rank))
@@ -394,8 +412,9 @@ class Simulation:
                         # (whatever the timeline runs next makes it try again)
                         lane.stuck = True
                     continue
-            if any(ln.engine.has_work and ln.clock() > now for ln in lanes):
-                stalled_since = None  # a step is in flight
+            if wake is not None or any(ln.engine.has_work and ln.clock() > now
+                                       for ln in lanes):
+                stalled_since = None  # a step, or a KV transfer, is in flight
             else:
                 stalled_since = self._stalled(now, stalled_since, grace)
             self._advance(nxt)
@@ -664,6 +683,21 @@ class Simulation:
         finally:
             if self._events_file is not None:
                 self._events_file.close()
+
+
+def _link_delta(a: dict, b: dict) -> dict[str, float]:
+    """One run's transfers on the host link: GPU -> host ("store") and back ("load")."""
+    return {f"{k}_{d}": round(b[k][d] - a[k][d], 6) for k in b for d in b[k]}
+
+
+def _after(now: float, t: float | None) -> float | None:
+    """``t`` if it is still to come."""
+    return t if t is not None and t > now else None
+
+
+def _earliest(*ts: float | None) -> float | None:
+    got = [t for t in ts if t is not None]
+    return min(got) if got else None
 
 
 def _progress(enabled: bool, total: int, desc: str) -> Any:

@@ -32,6 +32,7 @@ with the target's served name and context limit, and never loads its weights.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,18 +70,23 @@ class EmulationConfig:
     #: NVL cards derived from them), else the roofline; "roofline": the roofline always (the
     #: model every result before the measured tables came from)
     step_model: str = "measured"
+    #: host <-> device bandwidth each way, GB/s, in place of the card's
+    #: (:data:`mars.emulate.specs.PCIE_GEN5_X16_GB_S`); used only with --kv-offloading-size
+    host_link_gb_s: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EmulationConfig":
         return cls(gpu=d["gpu"], model=d["model"], coefficients=dict(d.get("coefficients") or {}),
                    reserve_gib=float(d.get("reserve_gib", ACTIVATION_RESERVE_GIB)),
                    natural_tokens=int(d.get("natural_tokens", NATURAL_TOKENS)),
-                   profile=d.get("profile"), step_model=str(d.get("step_model", "measured")))
+                   profile=d.get("profile"), step_model=str(d.get("step_model", "measured")),
+                   host_link_gb_s=d.get("host_link_gb_s"))
 
     def as_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "model": self.model, "coefficients": self.coefficients,
                 "reserve_gib": self.reserve_gib, "natural_tokens": self.natural_tokens,
-                "profile": self.profile, "step_model": self.step_model}
+                "profile": self.profile, "step_model": self.step_model,
+                "host_link_gb_s": self.host_link_gb_s}
 
     def device_profile(self) -> DeviceProfile | None:
         return DeviceProfile.from_dict(self.profile) if self.profile is not None else None
@@ -91,6 +97,18 @@ class EmulationConfig:
         if kv_cache_dtype.startswith("fp8"):
             model = model.with_kv_bytes(1)
         return model, prof.gpu if prof else get_gpu(self.gpu)
+
+    def host_link(self, gpu: GpuSpec):
+        """The card's host link (:class:`~mars.policy.engine.host_tier.HostLink`), the
+        configured bandwidth in place of the card's when one is given."""
+        from mars.policy.engine.host_tier import HostLink
+
+        gb_s = self.host_link_gb_s if self.host_link_gb_s is not None else gpu.host_link_gb_s
+        if isinstance(gb_s, bool) or not isinstance(gb_s, (int, float)) \
+                or not (math.isfinite(gb_s) and gb_s > 0):
+            raise ValueError(f"the host link's bandwidth (--emulate-config host_link_gb_s) "
+                             f"must be a positive number of GB/s, got {gb_s!r}")
+        return HostLink(d2h_bytes_per_s=gb_s * 1e9, h2d_bytes_per_s=gb_s * 1e9)
 
     def step_coefficients(self) -> StepCoefficients:
         """The profile's fitted coefficients (or the defaults), with any overrides applied."""
@@ -148,6 +166,8 @@ class EmulatedWorker:
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         #: async: the step execute_model ran, for sample_tokens to launch
         self._executed: tuple[Any, float] | None = None
+        #: vLLM's KV offloading on the emulated host link (``--kv-offloading-size``)
+        self.offload = None
 
     # ------------------------------------------------------------------ start-up
     def get_kv_cache_spec(self) -> dict:
@@ -184,6 +204,15 @@ class EmulatedWorker:
 
     def initialize_from_config(self, kv_cache_config) -> None:
         cfg = kv_cache_config[0] if isinstance(kv_cache_config, list) else kv_cache_config
+        if self.vllm_config.kv_transfer_config is not None:
+            from mars.engine.executor.offload import EmulatedOffload
+
+            # the pacer is read when a transfer is timed: the simulator swaps in its own
+            self.offload = EmulatedOffload(
+                self.vllm_config, cfg, self.config.host_link(self.gpu),
+                now=lambda: self.pacer.now(), wait_until=lambda t: self.pacer.until(t))
+            logger.warning("mars: vLLM's KV offloading on the EMULATED host link: %.1f GB/s "
+                           "each way", self.offload.link.link.h2d_bytes_per_s / 1e9)
         block = self.vllm_config.cache_config.block_size
         tokens = getattr(self.vllm_config.cache_config, "kv_cache_size_tokens", None)
         logger.warning(
@@ -211,7 +240,15 @@ class EmulatedWorker:
         so = scheduler_output
         # a preempted request keeps its entry: when resumed, the scheduler restates its length
         self.table.finish(so.finished_req_ids)
+        kv_out = None
+        if self.offload is not None:
+            # the connector's whole step at launch, as vLLM's GPU runner does it on the host
+            # thread: transfers the link finished by now are reported, later ones next step
+            self.offload.begin(so)
+            kv_out = self.offload.end(so)
         if not so.total_num_scheduled_tokens:
+            if kv_out is not None:
+                return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
             return EMPTY_MODEL_RUNNER_OUTPUT
         if not self.async_scheduling:
             self.pacer.begin()
@@ -233,7 +270,8 @@ class EmulatedWorker:
         req_ids = [s.req_id for s in batch]
         out = ModelRunnerOutput(req_ids=req_ids,
                                 req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=[sampled[rid] for rid in req_ids])
+                                sampled_token_ids=[sampled[rid] for rid in req_ids],
+                                kv_connector_output=kv_out)
         modeled = self.step_model.step_time(entries)
         if self.async_scheduling:
             # as the GPU worker under async scheduling: the outputs come from sample_tokens
@@ -261,6 +299,8 @@ class EmulatedWorker:
         pass
 
     def shutdown(self) -> None:
+        if self.offload is not None:
+            self.offload.shutdown()
         set_active(None)
 
     def supports_draft_weight_updates(self) -> bool:

@@ -119,6 +119,8 @@ class SimEngine:
         worker.pacer = self.pacer
         set_active(self.pacer)
         self.step_model = worker.step_model
+        #: vLLM's KV offloading on the emulated host link, when ``--kv-offloading-size``
+        self.offload = worker.offload
         self.clock = clock
         sched = self.core.scheduler
         sched.set_mars_clock(clock)
@@ -156,6 +158,25 @@ class SimEngine:
         vLLM's busy loop asks the same."""
         return self.scheduler.has_requests() or bool(self.core.batch_queue)
 
+    def wake_at(self) -> float | None:
+        """When the next KV transfer in flight on the host link ends, on this engine's clock
+        (None: none in flight). An engine whose requests wait only for a load schedules
+        nothing until then: the simulator advances its clock there, as the engine's busy
+        loop would have polled until the load landed."""
+        return None if self.offload is None else self.offload.next_done()
+
+    def _load_marks(self) -> tuple[int, int]:
+        """(loads reported landed, loads the scheduler has read and not yet acted on): each
+        moves once per load, so an engine that only waits on the link makes no progress."""
+        if self.offload is None:
+            return (0, 0)
+        return (self.offload.loads_reported,
+                len(self.scheduler.finished_recving_kv_req_ids))
+
+    def link_stats(self) -> dict[str, Any] | None:
+        """Bytes and transfers each way on the host link (None without offloading)."""
+        return None if self.offload is None else self.offload.stats()
+
     # ------------------------------------------------------------------ steps
     def step(self) -> list[StepOutput]:
         """One pass of vLLM's engine loop: schedule and run a step (sync: the clock advances
@@ -163,10 +184,13 @@ class SimEngine:
         nothing more can be scheduled, read the oldest step's outputs (the clock moves to
         its end)."""
         read = self.pacer.read
+        # with offloading, a step that only reports a load landed (or only reads that
+        # report, or only schedules nothing until the request it freed is ready) moves too
+        loads = self._load_marks()
         # the stats this engine's snapshots report (several engines share the process)
         set_active(self.pacer)
         outputs, executed = self.core.step_fn()
-        if executed or self.pacer.read != read:
+        if executed or self.pacer.read != read or self._load_marks() != loads:
             self.progress += 1
         got: list[StepOutput] = []
         for eco in (outputs or {}).values():

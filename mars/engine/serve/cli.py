@@ -174,6 +174,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         # own default, 0, aborts at once)
         args.shutdown_timeout = DEFAULT_DRAIN_S
 
+    _check_offloading(args, emulated=emulation is not None, is_cpu=is_cpu)
     _check_mars_config(args.policy, args.mars_config)
     _check_scheduling_policy(args.policy, getattr(args, "scheduling_policy", "fcfs"))
     extra = args.additional_config if isinstance(getattr(args, "additional_config", None), dict) else {}
@@ -222,7 +223,8 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
     extra = args.emulate_config or {}
     if not isinstance(extra, dict):
         raise SystemExit("mars-vllm: --emulate-config must be a JSON object")
-    unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens", "step_model"}
+    unknown = set(extra) - {"coefficients", "reserve_gib", "natural_tokens", "step_model",
+                            "host_link_gb_s"}
     if unknown:
         raise SystemExit(f"mars-vllm: --emulate-config: unknown keys {sorted(unknown)}")
     profile = None
@@ -240,6 +242,7 @@ def apply_emulation(args: argparse.Namespace, argv: list[str]) -> dict:
         cfg.step_coefficients()
         if cfg.step_model not in ("measured", "roofline"):
             raise ValueError("--emulate-config step_model must be \"measured\" or \"roofline\"")
+        cfg.host_link(cfg.specs()[1])  # a bandwidth that is not positive: refused here
         m, g = cfg.specs(str(getattr(args, "kv_cache_dtype", "auto") or "auto"))
         budget = cfg.kv_cache_bytes(m, g, args.gpu_memory_utilization)
     except (ValueError, TypeError) as exc:
@@ -310,6 +313,30 @@ def _check_scheduling_policy(policy: str, scheduling_policy) -> None:
         f"{policy}: its scheduler orders the waiting queue itself (by session, level and "
         "waiting time), which vLLM's priority queue does not allow. Use --policy fcfs to "
         "serve by request priority (stock vLLM), or drop --scheduling-policy.")
+
+
+def _check_offloading(args: argparse.Namespace, *, emulated: bool, is_cpu: bool) -> None:
+    """``--kv-offloading-size GiB``: vLLM's native offloading (its ``OffloadingConnector``),
+    which the emulated GPU runs on its emulated host link; refused with a reason where it
+    cannot run (vLLM's CPU worker has no offloading, other backends are not emulated)."""
+    size = getattr(args, "kv_offloading_size", None)
+    if size is None:
+        return
+    import math
+
+    if not (math.isfinite(size) and size > 0):
+        raise SystemExit(f"mars-vllm: --kv-offloading-size must be a positive number of GiB, "
+                         f"got {size!r}")
+    if is_cpu and not emulated:
+        raise SystemExit("mars-vllm: vLLM's KV offloading moves blocks between a GPU and host "
+                         "memory; this machine has no GPU (use --emulate GPU:MODEL to run it "
+                         "on the emulated GPU and its host link)")
+    if emulated:
+        backend = getattr(args, "kv_offloading_backend", "native")
+        if backend != "native" or os.environ.get("VLLM_USE_SIMPLE_KV_OFFLOAD", "0") not in (
+                "", "0"):
+            raise SystemExit("mars-vllm: the emulated GPU runs vLLM's native KV offloading "
+                             "(--kv-offloading-backend native, its OffloadingConnector) only")
 
 
 def _check_mars_config(policy: str, overrides: dict | None) -> None:
