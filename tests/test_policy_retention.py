@@ -265,3 +265,46 @@ def test_sorted_samples_follow_the_bounded_window():
         m.observe(rng.choice(["a", "b"]), rng.random() * 10)
         for key, dq in m._samples.items():
             assert m._sorted_samples(key) == sorted(dq)
+
+
+# ---------------------------------------------------------------------- a host tier
+
+
+def test_a_host_tier_prices_a_release_as_the_read_back_and_pins_less_under_pressure():
+    """With vLLM offloading to host memory a released context returns over the host link:
+    the miss costs ``tokens x bytes/token / read rate``, not a recompute, so the same pool
+    pressure that is worth a pin against a 3.2 s recompute is not worth one against a 0.1 s
+    read; on a free pool (no price) the pin stays, as memory nobody wants costs nothing."""
+    from mars.policy.engine.base import HostTier
+
+    samples = {"t": [0.4, 0.9, 1.5, 3.0, 6.0, 12.0, 25.0, 50.0] * 4}
+    blind, aware = _policy_with(samples), _policy_with(samples)
+    # 98,304 bytes per token (Qwen3-Coder-30B's KV), 64 GiB of host memory, 30 GB/s
+    tier = HostTier(98_304, 64 * 2**30, 30e9)
+    aware.attach_host_tier(tier)
+    c = cand(ctx=32_000)
+    assert blind.miss_s(32_000) == pytest.approx(3.2)  # 32K tokens at the 10K tok/s guess
+    assert aware.miss_s(32_000) == pytest.approx(32_000 * 98_304 / 30e9)
+    pressured = kv(free=3_000)
+    assert blind.admit(c, pressured, now=0.0) > 0
+    assert aware.admit(c, pressured, now=0.0) == 0.0
+    assert aware.admit(cand(session="idle"), kv(free=9_000), now=0.0) > 0
+    # a context the host pool cannot hold is a recompute again
+    assert aware.miss_s(10_000_000) == pytest.approx(1_000.0)
+    # measured loads replace the prior, then are smoothed
+    tier.observe_read(int(1e9), 0.1)
+    assert tier.read_bytes_per_s == pytest.approx(1e10)
+    tier.observe_read(int(1e9), 0.2)
+    assert 5e9 < tier.read_bytes_per_s < 1e10
+    # the ablation: the same rule blind to the host tier
+    off = CostBenefitRetention(RetentionConfig(host_tier=False))
+    off.attach_host_tier(tier)
+    assert off.miss_s(32_000) == pytest.approx(3.2)
+
+
+@pytest.mark.parametrize("args", [(0, 1, 1), (1, 1, 0), (math.nan, 1, 1), (1, -1, 1)])
+def test_a_host_tier_with_bad_sizes_is_refused(args):
+    from mars.policy.engine.base import HostTier
+
+    with pytest.raises(ValueError):
+        HostTier(*args)

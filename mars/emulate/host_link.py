@@ -80,13 +80,14 @@ class HostLinkTimeline:
         """When a transfer not yet handed back ends (None: unknown, or already handed back)."""
         return self._done_at.get(job)
 
-    def finished(self, now: float) -> list[object]:
+    def finished(self, now: float) -> list[tuple[object, float]]:
+        """(transfer, when it ended) for every transfer ended by ``now``, in order of end."""
         out = []
         pend = self._pending
         while pend and pend[0][0] <= now:
-            _, _, job = heapq.heappop(pend)
+            done, _, job = heapq.heappop(pend)
             del self._done_at[job]
-            out.append(job)
+            out.append((job, done))
         return out
 
     def next_done(self) -> float | None:

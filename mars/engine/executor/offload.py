@@ -46,6 +46,45 @@ def block_bytes_by_group(kv_cache_config) -> list[int]:
     return out
 
 
+def host_tier_for(vllm_config, kv_cache_config, block_size: int):
+    """What MARS's retention needs to price a release when vLLM offloads to host memory
+    (:class:`~mars.policy.engine.base.HostTier`), or None when it does not: the KV bytes per
+    token of this model's layout, the host pool's size (``--kv-offloading-size``), and a
+    prior for the link's read rate -- the emulated card's link, else PCIe Gen5 x16's measured
+    rate (:data:`~mars.emulate.specs.PCIE_GEN5_X16_GB_S`) -- which the first measured loads
+    replace."""
+    from mars.emulate.specs import PCIE_GEN5_X16_GB_S
+    from mars.policy.engine.base import HostTier
+
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or ktc.kv_connector != SUPPORTED_CONNECTOR:
+        return None
+    capacity = float(ktc.kv_connector_extra_config.get("cpu_bytes_to_use") or 0)
+    per_token = sum(block_bytes_by_group(kv_cache_config)) / block_size
+    extra = vllm_config.additional_config or {}
+    rate = PCIE_GEN5_X16_GB_S * 1e9
+    emu = extra.get("mars_emulate")
+    if emu:
+        from mars.engine.executor.emulated_executor import EmulationConfig
+
+        cfg = EmulationConfig.from_dict(emu)
+        rate = cfg.host_link(cfg.specs()[1]).h2d_bytes_per_s
+    return HostTier(per_token, capacity, rate)
+
+
+def host_reads(model_runner_output) -> tuple[int, float] | None:
+    """(bytes, seconds) of the loads from host memory a step's output reports landed."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata)
+
+    kvo = model_runner_output.kv_connector_output
+    meta = kvo.kv_connector_worker_meta if kvo is not None else None
+    if not isinstance(meta, OffloadingWorkerMetadata):
+        return None
+    load = meta.transfer_stats.load
+    return (load.bytes, load.time) if load.bytes > 0 else None
+
+
 def _make_transfers_cls():
     from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
@@ -80,12 +119,13 @@ def _make_transfers_cls():
             return self._submit(job_id, LOAD, dst_spec)
 
         def get_finished(self) -> list:
-            now = self._now()
             out = []
-            for job_id in self.link.finished(now):
+            for job_id, done in self.link.finished(self._now()):
                 n, t = self._jobs.pop(job_id)
+                # submitted to landed, any wait for the link included (what a load costs the
+                # request that waits for it); vLLM reports these in its transfer stats
                 out.append(TransferResult(job_id=job_id, success=True, transfer_size=n,
-                                          transfer_time=now - t))
+                                          transfer_time=done - t))
             return out
 
         def wait(self, job_ids: set[int]) -> None:

@@ -112,6 +112,20 @@ class MarsSchedulerMixin:
             headroom_tokens=int(cfg.get("admit_headroom_tokens", spec.admit_headroom_tokens)),
             emit=self._mars_emit, counters=self.mars_counters,
             full_sequence_must_fit=bool(self.scheduler_reserve_full_isl))
+        if self.vllm_config.kv_transfer_config is not None:
+            from mars.engine.executor.offload import host_reads, host_tier_for
+
+            self._mars_host_reads = host_reads
+            tier = host_tier_for(self.vllm_config, self.kv_cache_config, self.block_size)
+            #: vLLM offloads to host memory: a release is a read over the link, not a
+            #: recompute (for the rules that price it)
+            self._mars_host_tier = tier
+            if tier is not None:
+                retention.attach_host_tier(tier)
+            if self.connector is not None and self.mars_cosched.active:
+                self._mars_watch_loads()
+        else:
+            self._mars_host_tier = None
         self._mars_tick_s = float(cfg.get("tick_s", 0.05))
         self._mars_snapshot_s = float(cfg.get("snapshot_interval_s", 0.5))
         # admitted, no output token yet: watched at each step for ``gpu_1st_token``
@@ -325,6 +339,32 @@ class MarsSchedulerMixin:
             cached_tokens=c.cached_tokens, prompt_tokens=c.prompt_tokens,
         ))
 
+    def _mars_watch_loads(self) -> None:
+        """A waiting call whose prefix the KV connector will load (vLLM's offloading: from
+        host memory) is admitted on a path that never asks :meth:`_reserve_prefill_lookahead`:
+        vLLM allocates its blocks straight away. Pins must make room for it there too, or a
+        pool held by pins refuses it forever with nothing running (found by Continuum and
+        InferCept at ILR-3 with offloading on: 49 calls waiting, 95 % of the pool pinned).
+        So the connector's answer is watched: a load to come goes through the same
+        admission rule (reclaim what it needs, the backstop if vLLM still refuses)."""
+        conn = self.connector
+        lookup = conn.get_num_new_matched_tokens
+
+        def matched(request: Request, num_computed_tokens: int, *args, **kwargs):
+            ext, load_async = lookup(request, num_computed_tokens, *args, **kwargs)
+            if ext and load_async:
+                c = self.mars_calls.get(request.request_id)
+                if c is not None:
+                    self.mars_coord.on_admitting(c, num_computed_tokens)
+                # the pins it needs go now; what headroom would say is vLLM's own check of
+                # an async load's blocks against the free pool (reserved_blocks)
+                self.mars_cosched.admission(
+                    request, num_computed_tokens, ext, len(self.running),
+                    c.session_id if c is not None else None, self.mars_clock())
+            return ext, load_async
+
+        conn.get_num_new_matched_tokens = matched
+
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,
                                    num_new_tokens: int) -> int:
         stock = self._mars_stock_lookahead
@@ -428,9 +468,14 @@ class MarsSchedulerMixin:
             self._mars_idle_published = True
         return result
 
-    def update_from_output(self, scheduler_output, *args, **kwargs):
+    def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
         if self._mars_async:
             self._mars_step_done(scheduler_output, self.mars_clock())
+        if self._mars_host_tier is not None:
+            got = self._mars_host_reads(model_runner_output)
+            if got is not None:
+                self.mars_cosched.retention.observe_host_read(*got)
+        args = (model_runner_output, *args)
         log = self._mars_step_log
         if log is None:
             return super().update_from_output(scheduler_output, *args, **kwargs)

@@ -14,6 +14,8 @@ never probes a policy object for optional methods.
 
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -181,8 +183,60 @@ class RetentionPolicy(ABC):
     def observe_session(self, total_turns: int) -> None:
         """A session finished after ``total_turns`` rounds."""
 
+    def attach_host_tier(self, tier: "HostTier") -> None:
+        """The engine offloads KV to host memory (vLLM's ``--kv-offloading-size``): a
+        released context can come back over the host link instead of being recomputed.
+        Rules that do not price that (the baselines, each as its paper has it) ignore it."""
+
+    def observe_host_read(self, nbytes: int, seconds: float) -> None:
+        """Loads from host memory moved ``nbytes`` in ``seconds`` (waits for the link
+        included)."""
+
     def forget(self, session_id: str) -> None:
         """The adapter released the session's pin (resumed, expired, pressure)."""
+
+
+class HostTier:
+    """What a released context's return from host memory costs, from measured quantities: the
+    KV bytes per token (the model's layout), the host pool's size, and the host link's read
+    rate (a prior, the card's, replaced by the first measured loads and then smoothed as
+    :class:`~mars.policy.engine.retention.PrefillRate` smooths prefill)."""
+
+    def __init__(self, bytes_per_token: float, capacity_bytes: float,
+                 read_bytes_per_s: float, alpha: float = 0.2) -> None:
+        for name, v in (("bytes_per_token", bytes_per_token),
+                        ("read_bytes_per_s", read_bytes_per_s)):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not (capacity_bytes >= 0) or not 0 < alpha <= 1:
+            raise ValueError("capacity_bytes must be >= 0 and 0 < alpha <= 1")
+        self.bytes_per_token = float(bytes_per_token)
+        self.capacity_bytes = float(capacity_bytes)
+        self.alpha = alpha
+        self._bytes, self._sec = float(read_bytes_per_s), 1.0
+        self._measured = False
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        return self._bytes / self._sec
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not seconds or seconds <= 0 or not math.isfinite(seconds):
+            return
+        if not self._measured:
+            self._bytes, self._sec, self._measured = float(nbytes), float(seconds), True
+            return
+        a = self.alpha
+        self._bytes = (1 - a) * self._bytes + a * nbytes
+        self._sec = (1 - a) * self._sec + a * seconds
+
+    def read_s(self, tokens: int) -> float:
+        """Seconds to read ``tokens`` of context back; ``inf`` when the host pool could not
+        hold them (vLLM's host LRU would have dropped part of it)."""
+        nbytes = max(0, tokens) * self.bytes_per_token
+        if nbytes > self.capacity_bytes:
+            return math.inf
+        return nbytes / self.read_bytes_per_s
 
 
 class FcfsOrdering(OrderingPolicy):

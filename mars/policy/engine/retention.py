@@ -32,6 +32,15 @@ for one second at ``rho = 0.5`` costs ``price_scale`` seconds of others' latency
 ``P(tau) * T_pool > tau * price_scale * g(rho)`` with ``T_pool = pool tokens / prefill rate``,
 so it behaves the same on a 100K-block H100 pool and a 2K-block CPU pool.
 
+With a host tier (vLLM's offloading stores every computed block to host memory and loads a
+released context back on its next round's prefix hit), a release no longer means a
+recompute: ``R`` becomes the cheaper of the recompute and the read over the host link
+(``tokens x KV bytes per token / measured read rate``, :class:`~mars.policy.engine.base.
+HostTier`), so the rule pins only what is worth more than that read -- on a pool under
+pressure, little. This is the two-place rule over three places with the read-back at the
+return (vLLM's load on hit); reading back *before* the return is
+:mod:`mars.policy.engine.host_tier`'s.
+
 Contract with the adapter: the :class:`KvPressure` passed to ``admit`` and ``keep`` describes
 the pool with the candidate's own blocks *held* (not free): at ``admit`` its round has just
 finished and its blocks are not yet released, and while pinned they are pinned.
@@ -44,7 +53,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.engine.base import KvPressure, PinCandidate, RetentionPolicy
+from mars.policy.engine.base import HostTier, KvPressure, PinCandidate, RetentionPolicy
 
 ALL_TOOLS = "*"
 
@@ -213,6 +222,9 @@ class RetentionConfig:
     min_samples: int = 8
     max_samples: int = 512
     prior_mean_s: float = 5.0
+    #: when vLLM offloads to host memory, price a release as the read back over the host
+    #: link (False: as a recompute, the two-place rule blind to the host tier; an ablation)
+    host_tier: bool = True
 
     def __post_init__(self) -> None:
         if not self.tau_grid_s or min(self.tau_grid_s) <= 0:
@@ -255,8 +267,26 @@ class CostBenefitRetention(RetentionPolicy):
         self._grid = tuple(sorted({t for t in cfg.tau_grid_s if t < cfg.max_tau_s}
                                   | {cfg.max_tau_s}))
         self._pins: dict[str, _PinDecision] = {}
+        #: host memory holding released contexts (vLLM's offloading), when there is one
+        self.host: HostTier | None = None
 
     # ------------------------------------------------------------------ feeding
+    def attach_host_tier(self, tier: HostTier) -> None:
+        if self.config.host_tier:
+            self.host = tier
+
+    def observe_host_read(self, nbytes: int, seconds: float) -> None:
+        if self.host is not None:
+            self.host.observe_read(nbytes, seconds)
+
+    def miss_s(self, context_tokens: int) -> float:
+        """What a released context costs its next round: the recompute, or the read back
+        from host memory when that is cheaper."""
+        r = self.prefill.recompute_s(context_tokens)
+        if self.host is not None:
+            r = min(r, self.host.read_s(context_tokens))
+        return r
+
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
         self.durations.observe(tool, duration_s)
 
@@ -273,7 +303,7 @@ class CostBenefitRetention(RetentionPolicy):
     def net_gain(self, cand: PinCandidate, kv: KvPressure, tau: float,
                  elapsed: float = 0.0) -> float:
         """Expected benefit minus cost of holding ``cand`` for ``tau`` more seconds."""
-        return self._net(cand, tau, elapsed, self.prefill.recompute_s(cand.context_tokens),
+        return self._net(cand, tau, elapsed, self.miss_s(cand.context_tokens),
                          cand.blocks * self.price(kv))
 
     def _net(self, cand: PinCandidate, tau: float, elapsed: float, recompute_s: float,
@@ -295,7 +325,7 @@ class CostBenefitRetention(RetentionPolicy):
             cands = [t for t in self._grid if t < horizon]
             cands.append(horizon)
         # net_gain(tau) for every candidate, with what does not depend on tau computed once
-        recompute = self.prefill.recompute_s(cand.context_tokens)
+        recompute = self.miss_s(cand.context_tokens)
         hold = cand.blocks * self.price(kv)
         best_tau, best_net = 0.0, 0.0
         for tau in cands:
