@@ -30,6 +30,7 @@ def test_each_direction_is_a_queue_at_its_bandwidth_and_the_two_run_side_by_side
     assert link.submit("s2", STORE, 5 * GB, now=0.5) == pytest.approx(1.001 + 0.501)
     assert link.submit("l1", LOAD, 10 * GB, now=0.5) == pytest.approx(0.5 + 0.501)
     assert link.next_done() == pytest.approx(1.001) and link.in_flight == 3
+    assert link.in_flight_of(STORE) == 2 and link.in_flight_of(LOAD) == 1
     assert link.done_at("l1") == pytest.approx(1.001)
     assert link.finished(1.0) == []
     assert sorted(link.finished(1.001)) == [("l1", pytest.approx(1.001)),
@@ -37,6 +38,7 @@ def test_each_direction_is_a_queue_at_its_bandwidth_and_the_two_run_side_by_side
     assert link.finished(1.2) == []  # handed back once
     assert link.done_at("s1") is None
     assert link.finished(10.0) == [("s2", pytest.approx(1.502))] and link.next_done() is None
+    assert link.in_flight_of(STORE) == 0 and link.in_flight_of(LOAD) == 0
     st = link.stats
     assert st.bytes == {STORE: 15 * GB, LOAD: 10 * GB}
     assert st.transfers == {STORE: 2, LOAD: 1}

@@ -13,6 +13,10 @@ random tool gaps, tight pools, small and default step budgets -- and after every
 * results: every request produced exactly the tokens it would have alone (the synthetic model
   is a function of the sequence, so scheduling must never change an output).
 
+A third of the cases run vLLM's KV offloading (its ``OffloadingConnector``, the emulated host
+link; host memory half or twice the pool): prefixes come back from host memory, a call
+waits for its load and no load is left in flight at the end.
+
 Sessions extend their context round after round, and sometimes rewrite it (a condensed
 history: the next prompt shares nothing with the pinned one), so a pin is not always its next
 round's cache hit. A failing case prints its seed; ``MARS_SEED=17,42 python -m pytest
@@ -117,6 +121,8 @@ class Case:
     budget: int
     max_seqs: int
     sessions: list[Session]
+    #: vLLM's KV offloading: host memory as a multiple of the pool (None: off)
+    offload: float | None = None
 
 
 def make_case(seed: int) -> Case:
@@ -145,7 +151,11 @@ def make_case(seed: int) -> Case:
                                 rewrite))
         if rounds:
             sessions.append(Session(f"c{seed}s{j}", rng.uniform(0, 0.2), rounds))
-    return Case(seed, policy, num_blocks, budget, max_seqs, sessions)
+    # a third of the cases offload to host memory of half or twice the pool (its own draw:
+    # the cases above are the same with or without it)
+    side = random.Random(seed ^ 0x0FF10AD)
+    offload = side.choice((0.5, 2.0)) if side.random() < 1 / 3 else None
+    return Case(seed, policy, num_blocks, budget, max_seqs, sessions, offload)
 
 
 def expected_output(prompt: list[int], max_tokens: int, rid: str) -> list[int]:
@@ -177,10 +187,29 @@ def _check_block_hashes(eng: OfflineEngine, tag: str) -> None:
                 f"{tag}: {rid} block {i} holds another sequence's KV"
 
 
+def _offload_args(case: Case) -> dict:
+    """Host memory of ``case.offload`` pools; a link that moves the whole pool in 0.1 s
+    (ten steps), so loads land several steps after they start and stores queue."""
+    if case.offload is None:
+        return {}
+    from mars.policy.engine.host_tier import HostLink
+
+    mc = _MODEL_CONFIG[0] if _MODEL_CONFIG else _engine("fcfs", num_blocks=16).model_config
+    from vllm.config import ParallelConfig
+
+    pc = ParallelConfig()
+    per_block = 2 * BS * mc.get_num_kv_heads(pc) * mc.get_head_size() * 2 \
+        * mc.get_num_layers(pc)
+    pool = per_block * case.num_blocks
+    return {"offload_bytes": int(case.offload * pool),
+            "host_link": HostLink(d2h_bytes_per_s=pool / 0.1, h2d_bytes_per_s=pool / 0.1)}
+
+
 def run_case(case: Case) -> dict[str, int]:
-    tag = f"seed={case.seed} policy={case.policy}"
+    tag = f"seed={case.seed} policy={case.policy} offload={case.offload}"
     eng = _engine(case.policy, num_blocks=case.num_blocks, max_num_seqs=case.max_seqs,
-                  max_num_batched_tokens=case.budget, step_time=lambda out: 0.01)
+                  max_num_batched_tokens=case.budget, step_time=lambda out: 0.01,
+                  **_offload_args(case))
     try:
         clock = eng.clock
         t0 = clock()
@@ -208,12 +237,26 @@ def run_case(case: Case) -> dict[str, int]:
                     break
                 clock.advance(max(min(p[0] for p in pending) - now, 0.0))  # engine idle
                 continue
+            marks = eng.load_marks()
             finished = eng.step()
             acc = eng.kv_account()
             assert acc.balanced, f"{tag}: blocks unaccounted: {acc}"
             _check_block_hashes(eng, tag)
-            stalled = 0 if eng.last_scheduled_tokens else stalled + 1
-            assert stalled <= 1, f"{tag}: work waits and nothing runs: {eng.describe()}"
+            wake = eng.wake_at()
+            if eng.last_scheduled_tokens or eng.load_marks() != marks:
+                stalled = 0  # it ran, or a load landed / was read (the next step uses it)
+            elif wake is not None and wake > clock():
+                # only a transfer in flight can move things: the engine polls until it lands
+                clock.advance_to(wake)
+                stalled = 0
+            else:
+                stalled += 1
+            # (with offloading: no request waits on a load that will never land). A call whose
+            # load landed holds its blocks while waiting; when the running call in front of it
+            # is preempted for want of a block, vLLM's async pass takes one more empty step
+            # (no time passes) before it admits the loaded call (seed 405): two, never more
+            assert stalled <= (2 if case.offload else 1), \
+                f"{tag}: work waits and nothing runs: {eng.describe()}"
             for rid in finished:
                 s = owner.pop(rid)
                 prompt, mt = prompts.pop(rid)
@@ -227,7 +270,12 @@ def run_case(case: Case) -> dict[str, int]:
         acc = eng.kv_account()
         assert acc.pinned == 0 and eng.pinned_blocks() == 0, f"{tag}: pins left: {acc}"
         assert acc.free == acc.total, f"{tag}: blocks leaked: {acc}"
-        return dict(eng.sched.mars_counters)
+        counters = dict(eng.sched.mars_counters)
+        if eng.offload is not None:
+            # every load that started landed (none in flight after the drain)
+            assert eng.offload.link.in_flight_of("load") == 0, f"{tag}: a load never landed"
+            counters["host_loads"] = eng.offload.link.stats.transfers["load"]
+        return counters
     finally:
         eng.close()
 
@@ -248,6 +296,7 @@ def test_random_cases_keep_the_invariants(chunk):
     if _N >= (chunk + 1) * _CHUNK:
         assert total["preempted"] > 0 and total["pinned"] > 0, total
         assert total["reclaimed_for_admission"] > 0, total
+        assert total.get("host_loads", 0) > 0, total  # prefixes came back from host memory
 
 
 @pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("MARS_SEED", "").split(",")

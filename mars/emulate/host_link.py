@@ -50,6 +50,9 @@ class HostLinkTimeline:
         self._free_at = {STORE: -math.inf, LOAD: -math.inf}
         #: (done_at, seq, job) not yet handed back
         self._pending: list[tuple[float, int, object]] = []
+        #: transfers not yet handed back, per direction
+        self._open = {STORE: 0, LOAD: 0}
+        self._direction: dict[object, str] = {}
         self._seq = 0
         self._done_at: dict[object, float] = {}
         self.stats = LinkStats()
@@ -74,6 +77,8 @@ class HostLinkTimeline:
         self._seq += 1
         heapq.heappush(self._pending, (done, self._seq, job))
         self._done_at[job] = done
+        self._direction[job] = direction
+        self._open[direction] += 1
         return done
 
     def done_at(self, job: object) -> float | None:
@@ -87,6 +92,7 @@ class HostLinkTimeline:
         while pend and pend[0][0] <= now:
             done, _, job = heapq.heappop(pend)
             del self._done_at[job]
+            self._open[self._direction.pop(job)] -= 1
             out.append((job, done))
         return out
 
@@ -96,3 +102,7 @@ class HostLinkTimeline:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    def in_flight_of(self, direction: str) -> int:
+        """Transfers of one direction not yet handed back."""
+        return self._open[direction]

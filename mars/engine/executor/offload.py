@@ -85,6 +85,16 @@ def host_reads(model_runner_output) -> tuple[int, float] | None:
     return (load.bytes, load.time) if load.bytes > 0 else None
 
 
+def load_marks(offload: "EmulatedOffload | None", scheduler) -> tuple[int, int]:
+    """(loads reported landed, loads vLLM's scheduler has read and not yet acted on). Each
+    moves once per load: an engine step that changed neither, scheduled nothing and read no
+    output has only the link left to wait for (how the simulator and the invariant harness
+    tell an engine waiting on a transfer from one that is stuck)."""
+    if offload is None:
+        return (0, 0)
+    return (offload.loads_reported, len(scheduler.finished_recving_kv_req_ids))
+
+
 def _make_transfers_cls():
     from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 

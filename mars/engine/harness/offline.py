@@ -42,10 +42,12 @@ def tiny_model_dir() -> str:
 def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=None,
                       max_num_batched_tokens: int = 2048, block_size: int = BLOCK_SIZE,
                       mars: dict[str, Any] | None = None, max_model_len: int = 16384,
-                      async_scheduling: bool = False, scheduling_policy: str = "fcfs"):
+                      async_scheduling: bool = False, scheduling_policy: str = "fcfs",
+                      offload_bytes: int | None = None):
     """A ``VllmConfig`` as ``mars-vllm serve`` makes one; ``policy=None``: stock vLLM.
     ``async_scheduling``: as vLLM sets it on a GPU (its default there), so the scheduler
-    built is ``MarsAsyncScheduler`` (stock: ``AsyncScheduler``)."""
+    built is ``MarsAsyncScheduler`` (stock: ``AsyncScheduler``). ``offload_bytes``: vLLM's
+    KV offloading to that much host memory (``--kv-offloading-size``)."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     mc = model_config or ModelConfig(model=tiny_model_dir(), max_model_len=max_model_len,
@@ -55,7 +57,9 @@ def build_vllm_config(policy: str | None, max_num_seqs: int, *, model_config=Non
         max_model_len=mc.max_model_len, enable_chunked_prefill=True,
         is_encoder_decoder=False, async_scheduling=async_scheduling,
         policy=scheduling_policy)
-    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                     kv_offloading_size=None if offload_bytes is None
+                     else offload_bytes / (1 << 30))
     extra: dict[str, Any] = {}
     if policy is not None:
         extra["mars"] = {"policy": policy, "events_endpoint": None, "events_file": None,
@@ -182,7 +186,8 @@ class OfflineEngine:
                  step_time: Callable[[Any], float] | None = None,
                  mars: dict[str, Any] | None = None, max_model_len: int = 16384,
                  async_scheduling: bool | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", offload_bytes: int | None = None,
+                 host_link=None) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
@@ -195,7 +200,7 @@ class OfflineEngine:
             policy, max_num_seqs, model_config=model_config,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, mars=mars,
             max_model_len=max_model_len, async_scheduling=self.async_scheduling,
-            scheduling_policy=scheduling_policy)
+            scheduling_policy=scheduling_policy, offload_bytes=offload_bytes)
         self.sched, hbs = build_scheduler(self.vllm_config, num_blocks, log_stats=log_stats)
         self._hasher = block_hasher(self.vllm_config, hbs)
         self.clock: Callable[[], float]
@@ -206,6 +211,16 @@ class OfflineEngine:
             if policy is not None:
                 self.sched.set_mars_clock(self.clock)
         self._step_time = step_time or linear_step_time
+        #: vLLM's offloading's worker side on an emulated host link (``offload_bytes``)
+        self.offload = None
+        if offload_bytes is not None:
+            if host_link is None or not isinstance(self.clock, VirtualClock):
+                raise ValueError("offloading needs a host_link and the virtual clock")
+            from mars.engine.executor.offload import EmulatedOffload
+
+            self.offload = EmulatedOffload(self.vllm_config, self.sched.kv_cache_config,
+                                           host_link, now=self.clock,
+                                           wait_until=self.clock.advance_to)
         self.live: dict[str, Any] = {}
         #: finished request id -> all token ids (prompt + output)
         self.done: dict[str, list[int]] = {}
@@ -242,6 +257,25 @@ class OfflineEngine:
         self.sched.add_request(req)
 
     def model_output(self, out):
+        """The step's synthetic output; with offloading, the connector's worker side runs
+        the step (as vLLM's model runner does) and reports the transfers that landed."""
+        mo = self._sampled(out)
+        if self.offload is not None:
+            self.offload.begin(out)
+            mo.kv_connector_output = self.offload.end(out)
+        return mo
+
+    def load_marks(self) -> tuple[int, int]:
+        """:func:`mars.engine.executor.offload.load_marks` of this engine."""
+        from mars.engine.executor.offload import load_marks
+
+        return load_marks(self.offload, self.sched)
+
+    def wake_at(self) -> float | None:
+        """When the next transfer on the host link lands (None: none in flight)."""
+        return None if self.offload is None else self.offload.next_done()
+
+    def _sampled(self, out):
         live = self.live
         req_ids = list(out.num_scheduled_tokens)
         # the token follows everything computed once this step ran: the whole sequence in a
@@ -345,6 +379,8 @@ class OfflineEngine:
     def close(self) -> None:
         try:
             self.sched.shutdown()
+            if self.offload is not None:
+                self.offload.shutdown()
         except Exception:  # pragma: no cover - best effort
             pass
 

@@ -166,12 +166,9 @@ class SimEngine:
         return None if self.offload is None else self.offload.next_done()
 
     def _load_marks(self) -> tuple[int, int]:
-        """(loads reported landed, loads the scheduler has read and not yet acted on): each
-        moves once per load, so an engine that only waits on the link makes no progress."""
-        if self.offload is None:
-            return (0, 0)
-        return (self.offload.loads_reported,
-                len(self.scheduler.finished_recving_kv_req_ids))
+        from mars.engine.executor.offload import load_marks
+
+        return load_marks(self.offload, self.scheduler)
 
     def link_stats(self) -> dict[str, Any] | None:
         """Bytes and transfers each way on the host link (None without offloading)."""
