@@ -72,8 +72,8 @@ def _row(path: Path) -> dict:
     return {
         "mean": s["latency_s"]["mean"], "p90": s["latency_s"]["p90"],
         "ttft_later": sum(x["mean"] * x["count"] for x in later) / n if n else float("nan"),
-        "hit": s["cached_fraction"]["later_rounds_token_weighted"],
-        "recomputed": s["recomputed_context_tokens"],
+        "hit": s["cached_fraction"].get("later_rounds_token_weighted") or float("nan"),
+        "recomputed": s.get("recomputed_context_tokens") or 0,
         "stored_gb": link.get("bytes_store", 0) / 1e9,
         "loaded_gb": link.get("bytes_load", 0) / 1e9,
     }

@@ -69,6 +69,8 @@ def test_bad_links_and_transfers_are_refused():
      "native KV offloading"),
     (["--emulate-config", '{"host_link_gb_s": 0}'], "host link"),
     (["--emulate-config", '{"host_link_gb_s": "fast"}'], "host link"),
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+     "not the NixlConnector"),
 ])
 def test_bad_offloading_settings_are_refused_with_a_reason(extra, match):
     from mars.engine.harness.sim_engine import engine_args_for
@@ -79,7 +81,10 @@ def test_bad_offloading_settings_are_refused_with_a_reason(extra, match):
 
 def test_offloading_without_a_gpu_is_refused_on_this_machine():
     from mars.engine.harness.sim_engine import engine_args_for
+    from mars.engine.serve.cli import _is_cpu_platform
 
+    if not _is_cpu_platform():
+        pytest.skip("vLLM sees a GPU here: offloading is its own business")
     with pytest.raises(SystemExit, match="no GPU"):
         engine_args_for(None, "mars", ["--kv-offloading-size", "4"])
 
@@ -113,8 +118,8 @@ def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for
                     cached = o.cached_tokens if o.cached_tokens is not None else cached
                     if o.finished:
                         return clock() - t0, load_done, cached, t0
-                if off.link.stats.transfers[LOAD] and load_done is None:
-                    load_done = off.next_done()
+                if off.link.in_flight_of(LOAD) and load_done is None:
+                    load_done = off.link.last_done[LOAD]
                 if eng.progress == before:
                     # only the link can help: the simulator's loop advances to its next end
                     wake = eng.wake_at()
@@ -174,6 +179,6 @@ def test_the_simulator_waits_for_loads_without_stalling_and_counts_the_bytes(pol
     assert link["bytes_store"] > 0 and link["busy_s_store"] > 0
     if policy != "mars":
         # sessions evicted (or pins lapsed) during their tools come back from host memory
-        # (33-34 loads here); mars pins them across the tool instead (none): a pool this
-        # small is worth holding for tools this short
+        # (33-34 loads here; mars pinned them across their tools instead when this was
+        # written, so it is not asked to load)
         assert link["transfers_load"] > 0 and link["bytes_load"] > 0

@@ -279,18 +279,28 @@ def test_a_host_tier_prices_a_release_as_the_read_back_and_pins_less_under_press
 
     samples = {"t": [0.4, 0.9, 1.5, 3.0, 6.0, 12.0, 25.0, 50.0] * 4}
     blind, aware = _policy_with(samples), _policy_with(samples)
-    # 98,304 bytes per token (Qwen3-Coder-30B's KV), 64 GiB of host memory, 30 GB/s
-    tier = HostTier(98_304, 64 * 2**30, 30e9)
+    # 98,304 bytes per token (Qwen3-Coder-30B's KV), 64 GiB of host memory, 30 GB/s, 16-token
+    # blocks, prompts only stored (vLLM's default)
+    tier = HostTier(98_304, 64 * 2**30, 30e9, block_tokens=16)
     aware.attach_host_tier(tier)
     c = cand(ctx=32_000)
-    assert blind.miss_s(32_000) == pytest.approx(3.2)  # 32K tokens at the 10K tok/s guess
-    assert aware.miss_s(32_000) == pytest.approx(32_000 * 98_304 / 30e9)
+    assert blind.miss_s(c) == pytest.approx(3.2)  # 32K tokens at the 10K tok/s guess
+    assert aware.miss_s(c) == pytest.approx(32_000 * 98_304 / 30e9)
+    # of a round's 32,000 tokens the prompt was 31,500: its 1,968 whole blocks come back,
+    # the last 12 prompt tokens and the 500 of output are recomputed
+    c_out = PinCandidate(session_id="o", blocks=2000, context_tokens=32_000, tool="t",
+                         started=0.0, prompt_tokens=31_500)
+    assert aware.miss_s(c_out) == pytest.approx(31_488 * 98_304 / 30e9 + 512 / 10_000)
     pressured = kv(free=3_000)
     assert blind.admit(c, pressured, now=0.0) > 0
     assert aware.admit(c, pressured, now=0.0) == 0.0
     assert aware.admit(cand(session="idle"), kv(free=9_000), now=0.0) > 0
     # a context the host pool cannot hold is a recompute again
-    assert aware.miss_s(10_000_000) == pytest.approx(1_000.0)
+    assert aware.miss_s(cand(ctx=10_000_000)) == pytest.approx(1_000.0)
+    # sliding-window layers: only their window comes back, a fixed term
+    windowed = HostTier(49_152, 64 * 2**30, 30e9, window_bytes=128 * 49_152)
+    assert windowed.read_s(32_000) == pytest.approx((32_000 + 128) * 49_152 / 30e9)
+    assert windowed.read_s(0) == 0.0
     # measured loads replace the prior, then are smoothed
     tier.observe_read(int(1e9), 0.1)
     assert tier.read_bytes_per_s == pytest.approx(1e10)
@@ -299,7 +309,9 @@ def test_a_host_tier_prices_a_release_as_the_read_back_and_pins_less_under_press
     # the ablation: the same rule blind to the host tier
     off = CostBenefitRetention(RetentionConfig(host_tier=False))
     off.attach_host_tier(tier)
-    assert off.miss_s(32_000) == pytest.approx(3.2)
+    assert off.miss_s(c) == pytest.approx(3.2)
+    with pytest.raises(ValueError, match="true or false"):
+        RetentionConfig(host_tier="false")
 
 
 @pytest.mark.parametrize("args", [(0, 1, 1), (1, 1, 0), (math.nan, 1, 1), (1, -1, 1)])

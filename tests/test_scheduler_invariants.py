@@ -14,8 +14,9 @@ random tool gaps, tight pools, small and default step budgets -- and after every
   is a function of the sequence, so scheduling must never change an output).
 
 A third of the cases run vLLM's KV offloading (its ``OffloadingConnector``, the emulated host
-link; host memory half or twice the pool): prefixes come back from host memory, a call
-waits for its load and no load is left in flight at the end.
+link; host memory half or twice the pool): prefixes come back from host memory (the sweep
+must load some), every check above holds with loads in flight, and the engine waits for a
+load only while it is on the link.
 
 Sessions extend their context round after round, and sometimes rewrite it (a condensed
 history: the next prompt shares nothing with the pinned one), so a pin is not always its next
@@ -194,7 +195,9 @@ def _offload_args(case: Case) -> dict:
         return {}
     from mars.policy.engine.host_tier import HostLink
 
-    mc = _MODEL_CONFIG[0] if _MODEL_CONFIG else _engine("fcfs", num_blocks=16).model_config
+    if not _MODEL_CONFIG:
+        _engine("fcfs", num_blocks=16).close()  # (caches the model config)
+    mc = _MODEL_CONFIG[0]
     from vllm.config import ParallelConfig
 
     pc = ParallelConfig()
@@ -255,7 +258,7 @@ def run_case(case: Case) -> dict[str, int]:
             # load landed holds its blocks while waiting; when the running call in front of it
             # is preempted for want of a block, vLLM's async pass takes one more empty step
             # (no time passes) before it admits the loaded call (seed 405): two, never more
-            assert stalled <= (2 if case.offload else 1), \
+            assert stalled <= (2 if case.offload and eng.async_scheduling else 1), \
                 f"{tag}: work waits and nothing runs: {eng.describe()}"
             for rid in finished:
                 s = owner.pop(rid)
@@ -272,8 +275,6 @@ def run_case(case: Case) -> dict[str, int]:
         assert acc.free == acc.total, f"{tag}: blocks leaked: {acc}"
         counters = dict(eng.sched.mars_counters)
         if eng.offload is not None:
-            # every load that started landed (none in flight after the drain)
-            assert eng.offload.link.in_flight_of("load") == 0, f"{tag}: a load never landed"
             counters["host_loads"] = eng.offload.link.stats.transfers["load"]
         return counters
     finally:

@@ -53,6 +53,8 @@ class HostLinkTimeline:
         #: transfers not yet handed back, per direction
         self._open = {STORE: 0, LOAD: 0}
         self._direction: dict[object, str] = {}
+        #: when the latest transfer submitted in each direction ends
+        self.last_done = {STORE: -math.inf, LOAD: -math.inf}
         self._seq = 0
         self._done_at: dict[object, float] = {}
         self.stats = LinkStats()
@@ -79,6 +81,7 @@ class HostLinkTimeline:
         self._done_at[job] = done
         self._direction[job] = direction
         self._open[direction] += 1
+        self.last_done[direction] = done
         return done
 
     def done_at(self, job: object) -> float | None:

@@ -79,6 +79,11 @@ class StepPacer(abc.ABC):
         finished (its outputs are read)."""
 
     @abc.abstractmethod
+    def busy_until(self) -> float:
+        """When the device finishes the work launched so far (``-inf``: none yet); a copy
+        the device is asked for now starts no earlier (its stream waits for the compute)."""
+
+    @abc.abstractmethod
     def now(self) -> float:
         """This pacer's clock (what transfers on the emulated host link are timed on)."""
 
@@ -159,6 +164,9 @@ class WallPacer(StepPacer):
         if left > 0:
             self._sleep(left)
 
+    def busy_until(self) -> float:
+        return -math.inf if self._free_at is None else self._free_at
+
     def now(self) -> float:
         return self._clock()
 
@@ -201,6 +209,9 @@ class VirtualPacer(StepPacer):
     def wait(self, done_at: float) -> None:
         self.read += 1
         self.until(done_at)
+
+    def busy_until(self) -> float:
+        return self._free_at
 
     def now(self) -> float:
         if self._now is None:

@@ -240,15 +240,13 @@ class EmulatedWorker:
         so = scheduler_output
         # a preempted request keeps its entry: when resumed, the scheduler restates its length
         self.table.finish(so.finished_req_ids)
-        kv_out = None
-        if self.offload is not None:
-            # the connector's whole step at launch, as vLLM's GPU runner does it on the host
-            # thread: transfers the link finished by now are reported, later ones next step
-            self.offload.begin(so)
-            kv_out = self.offload.end(so)
         if not so.total_num_scheduled_tokens:
-            if kv_out is not None:
-                return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+            if self.offload is not None:
+                # vLLM's kv_connector_no_forward: transfers start once queued compute is done
+                now = self.pacer.now()
+                free = max(now, self.pacer.busy_until())
+                return ModelRunnerOutput.with_kv_conn_output_only(self._connector_step(
+                    so, free, free))
             return EMPTY_MODEL_RUNNER_OUTPUT
         if not self.async_scheduling:
             self.pacer.begin()
@@ -268,17 +266,33 @@ class EmulatedWorker:
                                    len(restated) if restated is not None else None))
         entries, sampled = self.table.step(batch)
         req_ids = [s.req_id for s in batch]
+        modeled = self.step_model.step_time(entries)
+        kv_out = None
+        if self.offload is not None:
+            # the device runs this step after what it has queued (async) or now (sync); the
+            # step's copies wait for its forward, as vLLM's copy stream waits for compute
+            now = self.pacer.now()
+            free = max(now, self.pacer.busy_until()) if self.async_scheduling else now
+            kv_out = self._connector_step(so, free, free + modeled)
         out = ModelRunnerOutput(req_ids=req_ids,
                                 req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=[sampled[rid] for rid in req_ids],
                                 kv_connector_output=kv_out)
-        modeled = self.step_model.step_time(entries)
         if self.async_scheduling:
             # as the GPU worker under async scheduling: the outputs come from sample_tokens
             self._executed = (out, modeled)
             return None
         self.pacer.end(modeled)
         return out
+
+    def _connector_step(self, so, device_free: float, step_end: float):
+        """The connector's whole step, at launch, as vLLM's GPU runner runs it on the host
+        thread: transfers the link finished by now are reported, later ones at a later step.
+        A preempted request's stores flush after the compute already queued
+        (``device_free``); this step's loads and the last step's stores after its forward
+        (``step_end``)."""
+        self.offload.begin(so, device_free, step_end)
+        return self.offload.end(so)
 
     def sample_tokens(self, grammar_output):
         if self._executed is None:

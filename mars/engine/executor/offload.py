@@ -21,6 +21,7 @@ does not have), and the KV cache config's group layout for the bytes of a block.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from mars.emulate.host_link import LOAD, STORE, HostLinkTimeline
@@ -49,18 +50,34 @@ def block_bytes_by_group(kv_cache_config) -> list[int]:
 def host_tier_for(vllm_config, kv_cache_config, block_size: int):
     """What MARS's retention needs to price a release when vLLM offloads to host memory
     (:class:`~mars.policy.engine.base.HostTier`), or None when it does not: the KV bytes per
-    token of this model's layout, the host pool's size (``--kv-offloading-size``), and a
+    token of this model's layout (sliding-window groups: their window), whether vLLM stores
+    prompts only (its ``offload_prompt_only``, default on), the host pool's size
+    (``--kv-offloading-size``), and a
     prior for the link's read rate -- the emulated card's link, else PCIe Gen5 x16's measured
     rate (:data:`~mars.emulate.specs.PCIE_GEN5_X16_GB_S`) -- which the first measured loads
     replace."""
     from mars.emulate.specs import PCIE_GEN5_X16_GB_S
     from mars.policy.engine.base import HostTier
 
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_offloading_group_ids)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
     ktc = vllm_config.kv_transfer_config
     if ktc is None or ktc.kv_connector != SUPPORTED_CONNECTOR:
         return None
-    capacity = float(ktc.kv_connector_extra_config.get("cpu_bytes_to_use") or 0)
-    per_token = sum(block_bytes_by_group(kv_cache_config)) / block_size
+    extra_cfg = ktc.kv_connector_extra_config
+    capacity = float(extra_cfg.get("cpu_bytes_to_use") or 0)
+    # every token of a full-attention group comes back; of a sliding-window group, its window
+    per_token = window = 0.0
+    groups = [kv_cache_config.kv_cache_groups[g] for g in get_offloading_group_ids(
+        kv_cache_config)]
+    for group, nbytes in zip(groups, block_bytes_by_group(kv_cache_config)):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            window += spec.sliding_window * nbytes / spec.block_size
+        else:
+            per_token += nbytes / spec.block_size
     extra = vllm_config.additional_config or {}
     rate = PCIE_GEN5_X16_GB_S * 1e9
     emu = extra.get("mars_emulate")
@@ -69,7 +86,10 @@ def host_tier_for(vllm_config, kv_cache_config, block_size: int):
 
         cfg = EmulationConfig.from_dict(emu)
         rate = cfg.host_link(cfg.specs()[1]).h2d_bytes_per_s
-    return HostTier(per_token, capacity, rate)
+    if per_token <= 0:
+        return None  # nothing keeps every token: the host tier holds only windows
+    return HostTier(per_token, capacity, rate, window_bytes=window, block_tokens=block_size,
+                    prompt_only=bool(extra_cfg.get("offload_prompt_only", True)))
 
 
 def host_reads(model_runner_output) -> tuple[int, float] | None:
@@ -108,7 +128,10 @@ def _make_transfers_cls():
             self.group_bytes = group_bytes
             self._now = now
             self._wait_until = wait_until
-            #: job id -> (bytes, submitted at)
+            #: no copy starts before this (the engine sets it each step: the device's copy
+            #: stream waits for the compute queued ahead of it)
+            self.not_before = -math.inf
+            #: job id -> (bytes, seconds the copy itself takes)
             self._jobs: dict[int, tuple[int, float]] = {}
 
         def _bytes(self, gpu_spec) -> int:
@@ -117,9 +140,9 @@ def _make_transfers_cls():
 
         def _submit(self, job_id: int, direction: str, gpu_spec) -> bool:
             n = self._bytes(gpu_spec)
-            t = self._now()
-            self.link.submit(job_id, direction, n, t)
-            self._jobs[job_id] = (n, t)
+            self.link.submit(job_id, direction, n, max(self._now(), self.not_before))
+            ln = self.link.link
+            self._jobs[job_id] = (n, ln.write_s(n) if direction == STORE else ln.read_s(n))
             return True
 
         def submit_store(self, job_id, src_spec, dst_spec) -> bool:
@@ -130,12 +153,12 @@ def _make_transfers_cls():
 
         def get_finished(self) -> list:
             out = []
-            for job_id, done in self.link.finished(self._now()):
-                n, t = self._jobs.pop(job_id)
-                # submitted to landed, any wait for the link included (what a load costs the
-                # request that waits for it); vLLM reports these in its transfer stats
+            for job_id, _done in self.link.finished(self._now()):
+                n, took = self._jobs.pop(job_id)
+                # the copy's own time, as vLLM's worker measures it between CUDA events on
+                # the transfer stream (waits for the link or the compute excluded)
                 out.append(TransferResult(job_id=job_id, success=True, transfer_size=n,
-                                          transfer_time=done - t))
+                                          transfer_time=took))
             return out
 
         def wait(self, job_ids: set[int]) -> None:
@@ -172,18 +195,24 @@ class EmulatedOffload:
         self.loads_reported = 0
         # vLLM's worker would build its transfer engine over the registered KV tensors
         # (register_kv_caches -> spec.get_worker); the emulated one needs only the layout
-        self.connector.connector_worker.worker = _make_transfers_cls()(
+        self.transfers = _make_transfers_cls()(
             self.link, block_bytes_by_group(kv_cache_config), now, wait_until)
+        self.connector.connector_worker.worker = self.transfers
 
-    def begin(self, scheduler_output) -> None:
-        """Before the step's forward: preempted requests' stores flushed, the step's
-        metadata bound, its loads (and the last step's deferred stores) started."""
+    def begin(self, scheduler_output, device_free: float, step_end: float) -> None:
+        """The step is launched: preempted requests' stores flushed (their copies start
+        when the device has done the compute queued before this step, ``device_free``),
+        the step's metadata bound, its loads and the last step's deferred stores started
+        (after this step's forward, ``step_end``: vLLM starts them after launching it and
+        its copy stream waits for the compute)."""
         meta = scheduler_output.kv_connector_metadata
         if meta is None:
             raise RuntimeError("a step without KV connector metadata while offloading is on")
         conn = self.connector
+        self.transfers.not_before = device_free
         conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
+        self.transfers.not_before = step_end
         conn.start_load_kv(None)
 
     def end(self, scheduler_output):

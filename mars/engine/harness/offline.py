@@ -261,7 +261,9 @@ class OfflineEngine:
         the step (as vLLM's model runner does) and reports the transfers that landed."""
         mo = self._sampled(out)
         if self.offload is not None:
-            self.offload.begin(out)
+            now = self.clock()
+            self.offload.begin(out, now, now + (self._step_time(out)
+                                                if out.total_num_scheduled_tokens else 0.0))
             mo.kv_connector_output = self.offload.end(out)
         return mo
 
@@ -377,12 +379,12 @@ class OfflineEngine:
             return [json.loads(line) for line in f if line.strip()]
 
     def close(self) -> None:
-        try:
-            self.sched.shutdown()
-            if self.offload is not None:
-                self.offload.shutdown()
-        except Exception:  # pragma: no cover - best effort
-            pass
+        for part in (self.sched, self.offload):
+            try:
+                if part is not None:
+                    part.shutdown()
+            except Exception:  # pragma: no cover - best effort
+                pass
 
 
 # --------------------------------------------------------------------------- workload

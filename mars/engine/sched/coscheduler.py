@@ -128,9 +128,11 @@ class CoScheduler:
 
     # ------------------------------------------------------------------ step rules
     def admission(self, request: Request, computed: int, n: int, running: int,
-                  session_id: str | None, now: float) -> int:
+                  session_id: str | None, now: float, reserved: int = 0) -> int:
         """A waiting or preempted call is about to be admitted with ``n`` new tokens and
         ``computed`` tokens hit in the cache: reclaim pins it needs, then apply headroom.
+        ``reserved``: blocks vLLM will keep back from it (for an async load, the in-flight
+        prefills' remaining blocks).
 
         What the call needs is what vLLM's ``allocate_slots`` will ask the pool for, counted
         by vLLM's own coordinator (:meth:`_admission_blocks`): every KV cache group, the hit
@@ -141,6 +143,8 @@ class CoScheduler:
         free = self._pool.get_num_free_blocks()
         headroom = self.headroom
         reserve = headroom.reserve_blocks(running, bs) if (headroom and running) else 0
+        # blocks vLLM keeps back from this admission (an async load: other prefills' room)
+        reserve += reserved
         self._admitting = request
         if free >= self._upper_bound(request) + reserve:
             return n
@@ -316,7 +320,7 @@ class CoScheduler:
         own = sum(1 for b in blocks if b.ref_cnt == 1)
         cand = PinCandidate(session_id=meta.job_id, blocks=own,
                             context_tokens=request.num_tokens, tool=meta.next_tool,
-                            started=now)
+                            started=now, prompt_tokens=request.num_prompt_tokens)
         nxt = self._latest.get(meta.job_id)
         resumed_by = None
         if nxt is not None and nxt.request_id != request.request_id:

@@ -352,15 +352,18 @@ class MarsSchedulerMixin:
 
         def matched(request: Request, num_computed_tokens: int, *args, **kwargs):
             ext, load_async = lookup(request, num_computed_tokens, *args, **kwargs)
-            if ext and load_async:
+            if ext and load_async and not request.skip_reading_prefix_cache:
                 c = self.mars_calls.get(request.request_id)
                 if c is not None:
-                    self.mars_coord.on_admitting(c, num_computed_tokens)
-                # the pins it needs go now; what headroom would say is vLLM's own check of
-                # an async load's blocks against the free pool (reserved_blocks)
-                self.mars_cosched.admission(
-                    request, num_computed_tokens, ext, len(self.running),
-                    c.session_id if c is not None else None, self.mars_clock())
+                    self.mars_coord.on_admitting(c, num_computed_tokens + ext)
+                # the pins it needs go now, with what vLLM keeps back from an async load (the
+                # in-flight prefills' blocks); headroom holding it back: vLLM's "not yet"
+                # (the connector is asked again next step)
+                if not self.mars_cosched.admission(
+                        request, num_computed_tokens, ext, len(self.running),
+                        c.session_id if c is not None else None, self.mars_clock(),
+                        reserved=self._inflight_prefill_reserved_blocks()):
+                    return None, False
             return ext, load_async
 
         conn.get_num_new_matched_tokens = matched

@@ -319,6 +319,11 @@ def _check_offloading(args: argparse.Namespace, *, emulated: bool, is_cpu: bool)
     """``--kv-offloading-size GiB``: vLLM's native offloading (its ``OffloadingConnector``),
     which the emulated GPU runs on its emulated host link; refused with a reason where it
     cannot run (vLLM's CPU worker has no offloading, other backends are not emulated)."""
+    ktc = getattr(args, "kv_transfer_config", None)
+    if emulated and ktc is not None and getattr(ktc, "kv_connector", None) not in (
+            None, "OffloadingConnector"):
+        raise SystemExit(f"mars-vllm: the emulated GPU runs vLLM's native KV offloading only "
+                         f"(--kv-offloading-size), not the {ktc.kv_connector} connector")
     size = getattr(args, "kv_offloading_size", None)
     if size is None:
         return

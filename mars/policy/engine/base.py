@@ -120,6 +120,9 @@ class PinCandidate:
     context_tokens: int
     tool: str | None
     started: float
+    #: of which the round's prompt (None: unknown); a host tier that stores prompts only
+    #: (vLLM's default) holds these, the round's output is recomputed
+    prompt_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -198,20 +201,29 @@ class RetentionPolicy(ABC):
 
 class HostTier:
     """What a released context's return from host memory costs, from measured quantities: the
-    KV bytes per token (the model's layout), the host pool's size, and the host link's read
-    rate (a prior, the card's, replaced by the first measured loads and then smoothed as
+    KV bytes per token of the layers that keep every token (the model's layout) plus a fixed
+    term for sliding-window layers (only their window comes back), the host pool's size,
+    what the host holds of a context (whole blocks; of the prompt only, as vLLM stores by
+    default: the round's output is recomputed), and the host link's copy rate (a prior, the
+    card's, replaced by the first measured loads and then smoothed as
     :class:`~mars.policy.engine.retention.PrefillRate` smooths prefill)."""
 
     def __init__(self, bytes_per_token: float, capacity_bytes: float,
-                 read_bytes_per_s: float, alpha: float = 0.2) -> None:
+                 read_bytes_per_s: float, alpha: float = 0.2, *, window_bytes: float = 0.0,
+                 block_tokens: int = 1, prompt_only: bool = True) -> None:
         for name, v in (("bytes_per_token", bytes_per_token),
                         ("read_bytes_per_s", read_bytes_per_s)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not (capacity_bytes >= 0) or not 0 < alpha <= 1:
             raise ValueError("capacity_bytes must be >= 0 and 0 < alpha <= 1")
+        if not (window_bytes >= 0) or block_tokens < 1:
+            raise ValueError("window_bytes must be >= 0 and block_tokens >= 1")
         self.bytes_per_token = float(bytes_per_token)
         self.capacity_bytes = float(capacity_bytes)
+        self.window_bytes = float(window_bytes)
+        self.block_tokens = int(block_tokens)
+        self.prompt_only = bool(prompt_only)
         self.alpha = alpha
         self._bytes, self._sec = float(read_bytes_per_s), 1.0
         self._measured = False
@@ -230,10 +242,19 @@ class HostTier:
         self._bytes = (1 - a) * self._bytes + a * nbytes
         self._sec = (1 - a) * self._sec + a * seconds
 
+    def held_tokens(self, context_tokens: int, prompt_tokens: int | None) -> int:
+        """Tokens of a context the host holds: whole blocks, of the prompt when only
+        prompts are stored."""
+        held = context_tokens if (prompt_tokens is None or not self.prompt_only) \
+            else min(prompt_tokens, context_tokens)
+        return max(0, held) // self.block_tokens * self.block_tokens
+
     def read_s(self, tokens: int) -> float:
         """Seconds to read ``tokens`` of context back; ``inf`` when the host pool could not
         hold them (vLLM's host LRU would have dropped part of it)."""
-        nbytes = max(0, tokens) * self.bytes_per_token
+        if tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.bytes_per_token + self.window_bytes
         if nbytes > self.capacity_bytes:
             return math.inf
         return nbytes / self.read_bytes_per_s

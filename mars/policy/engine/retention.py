@@ -35,8 +35,10 @@ so it behaves the same on a 100K-block H100 pool and a 2K-block CPU pool.
 With a host tier (vLLM's offloading stores every computed block to host memory and loads a
 released context back on its next round's prefix hit), a release no longer means a
 recompute: ``R`` becomes the cheaper of the recompute and the read over the host link
-(``tokens x KV bytes per token / measured read rate``, :class:`~mars.policy.engine.base.
-HostTier`), so the rule pins only what is worth more than that read -- on a pool under
+(``tokens x KV bytes per token / measured copy rate`` for what the host holds -- the
+prompt's whole blocks, as vLLM stores by default -- plus the recompute of the rest,
+:class:`~mars.policy.engine.base.HostTier`), so the rule pins only what is worth more than
+that -- on a pool under
 pressure, little. This is the two-place rule over three places with the read-back at the
 return (vLLM's load on hit); reading back *before* the return is
 :mod:`mars.policy.engine.host_tier`'s.
@@ -227,6 +229,8 @@ class RetentionConfig:
     host_tier: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.host_tier, bool):
+            raise ValueError(f"host_tier must be true or false, got {self.host_tier!r}")
         if not self.tau_grid_s or min(self.tau_grid_s) <= 0:
             raise ValueError("tau_grid_s must hold positive durations")
         if not 0 < self.rho_cap < 1:
@@ -279,12 +283,16 @@ class CostBenefitRetention(RetentionPolicy):
         if self.host is not None:
             self.host.observe_read(nbytes, seconds)
 
-    def miss_s(self, context_tokens: int) -> float:
-        """What a released context costs its next round: the recompute, or the read back
-        from host memory when that is cheaper."""
-        r = self.prefill.recompute_s(context_tokens)
-        if self.host is not None:
-            r = min(r, self.host.read_s(context_tokens))
+    def miss_s(self, cand: PinCandidate) -> float:
+        """What a released context costs its next round: the recompute, or, when cheaper,
+        the read back from host memory of what the host holds and the recompute of the
+        rest (vLLM stores prompts: the round's output is recomputed)."""
+        ctx = cand.context_tokens
+        r = self.prefill.recompute_s(ctx)
+        host = self.host
+        if host is not None:
+            held = host.held_tokens(ctx, cand.prompt_tokens)
+            r = min(r, host.read_s(held) + self.prefill.recompute_s(ctx - held))
         return r
 
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
@@ -303,7 +311,7 @@ class CostBenefitRetention(RetentionPolicy):
     def net_gain(self, cand: PinCandidate, kv: KvPressure, tau: float,
                  elapsed: float = 0.0) -> float:
         """Expected benefit minus cost of holding ``cand`` for ``tau`` more seconds."""
-        return self._net(cand, tau, elapsed, self.miss_s(cand.context_tokens),
+        return self._net(cand, tau, elapsed, self.miss_s(cand),
                          cand.blocks * self.price(kv))
 
     def _net(self, cand: PinCandidate, tau: float, elapsed: float, recompute_s: float,
@@ -325,7 +333,7 @@ class CostBenefitRetention(RetentionPolicy):
             cands = [t for t in self._grid if t < horizon]
             cands.append(horizon)
         # net_gain(tau) for every candidate, with what does not depend on tau computed once
-        recompute = self.miss_s(cand.context_tokens)
+        recompute = self.miss_s(cand)
         hold = cand.blocks * self.price(kv)
         best_tau, best_net = 0.0, 0.0
         for tau in cands:
