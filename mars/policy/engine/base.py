@@ -199,14 +199,40 @@ class RetentionPolicy(ABC):
         """The adapter released the session's pin (resumed, expired, pressure)."""
 
 
+class MeasuredRate:
+    """A rate (amount per second) that starts at a prior, is replaced by the first
+    measurement and is then smoothed. Amounts and seconds are smoothed separately and the
+    rate is their ratio, so a tiny, noisy measurement moves it less than a large one."""
+
+    def __init__(self, prior_per_s: float, alpha: float = 0.2) -> None:
+        if not (math.isfinite(prior_per_s) and prior_per_s > 0) or not 0 < alpha <= 1:
+            raise ValueError("the prior rate must be > 0 and 0 < alpha <= 1")
+        self.alpha = alpha
+        self._amount, self._sec = float(prior_per_s), 1.0
+        self._measured = False
+
+    @property
+    def per_s(self) -> float:
+        return self._amount / self._sec
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or not seconds or seconds <= 0 or not math.isfinite(seconds):
+            return
+        if not self._measured:
+            self._amount, self._sec, self._measured = float(amount), float(seconds), True
+            return
+        a = self.alpha
+        self._amount = (1 - a) * self._amount + a * amount
+        self._sec = (1 - a) * self._sec + a * seconds
+
+
 class HostTier:
     """What a released context's return from host memory costs, from measured quantities: the
     KV bytes per token of the layers that keep every token (the model's layout) plus a fixed
     term for sliding-window layers (only their window comes back), the host pool's size,
     what the host holds of a context (whole blocks; of the prompt only, as vLLM stores by
     default: the round's output is recomputed), and the host link's copy rate (a prior, the
-    card's, replaced by the first measured loads and then smoothed as
-    :class:`~mars.policy.engine.retention.PrefillRate` smooths prefill)."""
+    card's, replaced by the first measured loads and then smoothed, :class:`MeasuredRate`)."""
 
     def __init__(self, bytes_per_token: float, capacity_bytes: float,
                  read_bytes_per_s: float, alpha: float = 0.2, *, window_bytes: float = 0.0,
@@ -224,23 +250,14 @@ class HostTier:
         self.window_bytes = float(window_bytes)
         self.block_tokens = int(block_tokens)
         self.prompt_only = bool(prompt_only)
-        self.alpha = alpha
-        self._bytes, self._sec = float(read_bytes_per_s), 1.0
-        self._measured = False
+        self.rate = MeasuredRate(read_bytes_per_s, alpha)
 
     @property
     def read_bytes_per_s(self) -> float:
-        return self._bytes / self._sec
+        return self.rate.per_s
 
     def observe_read(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or not seconds or seconds <= 0 or not math.isfinite(seconds):
-            return
-        if not self._measured:
-            self._bytes, self._sec, self._measured = float(nbytes), float(seconds), True
-            return
-        a = self.alpha
-        self._bytes = (1 - a) * self._bytes + a * nbytes
-        self._sec = (1 - a) * self._sec + a * seconds
+        self.rate.observe(nbytes, seconds)
 
     def held_tokens(self, context_tokens: int, prompt_tokens: int | None) -> int:
         """Tokens of a context the host holds: whole blocks, of the prompt when only

@@ -55,7 +55,8 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.engine.base import HostTier, KvPressure, PinCandidate, RetentionPolicy
+from mars.policy.engine.base import (HostTier, KvPressure, MeasuredRate, PinCandidate,
+                                     RetentionPolicy)
 
 ALL_TOOLS = "*"
 
@@ -168,38 +169,22 @@ class ToolDurationModel:
         return self._sorted.get(tool if tool else ALL_TOOLS, [])
 
 
-class PrefillRate:
-    """EMA estimate of prefill throughput, used to price recomputation of a context.
-
-    The token and second counts are smoothed separately and the rate is their ratio, so a
-    tiny, noisy measurement moves the estimate less than a large one. The configured rate is
-    only a guess: the first measurement replaces it outright.
-    """
+class PrefillRate(MeasuredRate):
+    """Prefill throughput, used to price recomputation of a context: the configured rate is
+    only a guess, the first measured prefill replaces it, later ones are smoothed
+    (:class:`~mars.policy.engine.base.MeasuredRate`)."""
 
     def __init__(self, tokens_per_s: float, alpha: float = 0.2) -> None:
         if tokens_per_s <= 0 or not 0 < alpha <= 1:
             raise ValueError("tokens_per_s must be > 0 and 0 < alpha <= 1")
-        self.alpha = alpha
-        self._tok = float(tokens_per_s)
-        self._sec = 1.0
-        self._measured = False
+        super().__init__(tokens_per_s, alpha)
 
     @property
     def tokens_per_s(self) -> float:
-        return self._tok / self._sec
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds or seconds <= 0 or not math.isfinite(seconds):
-            return
-        if not self._measured:
-            self._tok, self._sec, self._measured = float(tokens), float(seconds), True
-            return
-        a = self.alpha
-        self._tok = (1 - a) * self._tok + a * tokens
-        self._sec = (1 - a) * self._sec + a * seconds
+        return self.per_s
 
     def recompute_s(self, tokens: int) -> float:
-        return max(0, tokens) / self.tokens_per_s
+        return max(0, tokens) / self.per_s
 
 
 @dataclass(frozen=True, slots=True)
