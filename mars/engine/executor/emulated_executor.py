@@ -132,6 +132,16 @@ class EmulationConfig:
         return kv_budget_bytes(model, gpu, utilization, self.reserve_gib)
 
 
+def emulated_host_link(vllm_config):
+    """The emulated card's host link (:meth:`EmulationConfig.host_link`), or None when the
+    engine is not emulated."""
+    raw = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+    if not raw:
+        return None
+    cfg = EmulationConfig.from_dict(raw)
+    return cfg.host_link(cfg.specs(str(vllm_config.cache_config.cache_dtype))[1])
+
+
 def tokenizer_size(model_config) -> int:
     """Ids the served tokenizer knows (vLLM rejects a prompt with any other, and the replay
     feeds sampled tokens back as prompt ids); the model config's vocab can be larger."""

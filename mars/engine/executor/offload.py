@@ -47,14 +47,15 @@ def block_bytes_by_group(kv_cache_config) -> list[int]:
     return out
 
 
-def host_tier_for(vllm_config, kv_cache_config, block_size: int):
+def host_tier_for(vllm_config, kv_cache_config, block_size: int,
+                  prior_read_bytes_per_s: float | None = None):
     """What MARS's retention needs to price a release when vLLM offloads to host memory
     (:class:`~mars.policy.engine.base.HostTier`), or None when it does not: the KV bytes per
     token of this model's layout (sliding-window groups: their window), whether vLLM stores
     prompts only (its ``offload_prompt_only``, default on), the host pool's size
-    (``--kv-offloading-size``), and a
-    prior for the link's read rate -- the emulated card's link, else PCIe Gen5 x16's measured
-    rate (:data:`~mars.emulate.specs.PCIE_GEN5_X16_GB_S`) -- which the first measured loads
+    (``--kv-offloading-size``), and a prior for the link's read rate -- the one given (the
+    emulated card's link), else PCIe Gen5 x16's measured rate
+    (:data:`~mars.emulate.specs.PCIE_GEN5_X16_GB_S`) -- which the first measured loads
     replace."""
     from mars.emulate.specs import PCIE_GEN5_X16_GB_S
     from mars.policy.engine.base import HostTier
@@ -78,14 +79,7 @@ def host_tier_for(vllm_config, kv_cache_config, block_size: int):
             window += spec.sliding_window * nbytes / spec.block_size
         else:
             per_token += nbytes / spec.block_size
-    extra = vllm_config.additional_config or {}
-    rate = PCIE_GEN5_X16_GB_S * 1e9
-    emu = extra.get("mars_emulate")
-    if emu:
-        from mars.engine.executor.emulated_executor import EmulationConfig
-
-        cfg = EmulationConfig.from_dict(emu)
-        rate = cfg.host_link(cfg.specs()[1]).h2d_bytes_per_s
+    rate = prior_read_bytes_per_s or PCIE_GEN5_X16_GB_S * 1e9
     if per_token <= 0:
         return None  # nothing keeps every token: the host tier holds only windows
     return HostTier(per_token, capacity, rate, window_bytes=window, block_tokens=block_size,

@@ -113,10 +113,13 @@ class MarsSchedulerMixin:
             emit=self._mars_emit, counters=self.mars_counters,
             full_sequence_must_fit=bool(self.scheduler_reserve_full_isl))
         if self.vllm_config.kv_transfer_config is not None:
+            from mars.engine.executor.emulated_executor import emulated_host_link
             from mars.engine.executor.offload import host_reads, host_tier_for
 
             self._mars_host_reads = host_reads
-            tier = host_tier_for(self.vllm_config, self.kv_cache_config, self.block_size)
+            link = emulated_host_link(self.vllm_config)
+            tier = host_tier_for(self.vllm_config, self.kv_cache_config, self.block_size,
+                                 link.h2d_bytes_per_s if link is not None else None)
             #: vLLM offloads to host memory: a release is a read over the link, not a
             #: recompute (for the rules that price it)
             self._mars_host_tier = tier
