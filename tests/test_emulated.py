@@ -15,6 +15,8 @@ import os
 import httpx
 import pytest
 
+from mars.protocol.sse import iter_sse_lines
+
 from tests.conftest import read_events, wait_for_events
 
 pytestmark = pytest.mark.engine
@@ -60,7 +62,7 @@ def test_chat_completion_and_stream(emu):
             "model": SERVED, "prompt": "def main():", "max_tokens": 5, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}) as s:
         assert s.status_code == 200
-        for line in s.iter_lines():
+        for line in iter_sse_lines(s.iter_bytes()):
             if line.startswith("data: "):
                 chunks.append(line[6:])
     assert chunks[-1] == "[DONE]"

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from mars.protocol.sse import aiter_sse_lines
+
 from tests.conftest import engine_server, read_events
 
 pytestmark = pytest.mark.engine
@@ -41,7 +43,7 @@ async def _call(c: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: i
             "ignore_eos": True, "stream": True, "return_token_ids": True,
             "vllm_xargs": xargs}) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
+        async for line in aiter_sse_lines(r.aiter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             if first is None:

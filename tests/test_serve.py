@@ -9,6 +9,8 @@ import sys
 import httpx
 import pytest
 
+from mars.protocol.sse import iter_sse_lines
+
 from tests.conftest import engine_server, read_events, wait_for_events
 
 pytestmark = pytest.mark.engine
@@ -49,7 +51,7 @@ def test_streaming_completion(server):
             "model": "mars-tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "stream": True,
             "ignore_eos": True, "temperature": 0}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        for line in iter_sse_lines(r.iter_bytes()):
             if not line.startswith("data: "):
                 continue
             data = line[len("data: "):]

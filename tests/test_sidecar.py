@@ -20,6 +20,8 @@ import time
 import httpx
 import pytest
 
+from mars.protocol.sse import aiter_sse_lines, iter_sse_lines
+
 from tests.conftest import engine_server, read_events, wait_for_events
 
 pytestmark = pytest.mark.engine
@@ -135,7 +137,7 @@ def _stream(url: str, req: dict) -> tuple[str, int, bool, str]:
     with httpx.stream("POST", url + "/v1/completions", json=req, timeout=60) as r:
         ctype = r.headers["content-type"]
         assert r.status_code == 200
-        for line in r.iter_lines():
+        for line in iter_sse_lines(r.iter_bytes()):
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
@@ -200,7 +202,7 @@ def test_merged_stream_file_and_sse(stack, server):
     def listen():
         with httpx.stream("GET", server.url + "/v1/mars/events/stream", timeout=30,
                           params={"session": "merged-1", "max_events": 6, "timeout": 15}) as r:
-            for line in r.iter_lines():
+            for line in iter_sse_lines(r.iter_bytes()):
                 if line.startswith("data: "):
                     got.append(json.loads(line[6:]))
 
@@ -423,7 +425,7 @@ def test_random_disconnects_never_leak_a_slot(server, admit):
         async with httpx.AsyncClient(timeout=120) as client:
             async with client.stream("POST", admit.url + "/v1/completions", json=body) as r:
                 chunks = 0
-                async for line in r.aiter_lines():
+                async for line in aiter_sse_lines(r.aiter_bytes()):
                     if line.startswith("data: ") and '"text"' in line:
                         chunks += 1
                         if chunks >= 3:
@@ -487,7 +489,7 @@ def test_engine_killed_mid_stream_then_restarted(stack):
                 "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 12000, "ignore_eos": True,
                 "stream": True, "vllm_xargs": {"job_id": "crash-1"}}) as r:
             status = r.status_code
-            for line in r.iter_lines() if status == 200 else ():
+            for line in iter_sse_lines(r.iter_bytes()) if status == 200 else ():
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":

@@ -39,6 +39,12 @@ class NeverSchedules:
     def kv_balanced(self):
         return True, {}
 
+    def wake_at(self):
+        return None  # no KV transfer in flight (no offloading)
+
+    def link_stats(self):
+        return None
+
     def close(self) -> None:
         pass
 

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from mars.cli.types import positive_float, positive_int
+from mars.protocol.sse import iter_sse_lines
 
 
 class SidecarGone(Exception):
@@ -93,7 +94,7 @@ class Source:
                         self.stream_status = f"refused ({r.status_code})"
                     else:
                         self.stream_status, backoff = "live", 1.0
-                        for line in r.iter_lines():
+                        for line in iter_sse_lines(r.iter_bytes()):
                             if self._stop.is_set():
                                 return
                             if line.startswith("data: "):

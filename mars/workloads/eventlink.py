@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import httpx
 
 from mars.protocol.events import make_event
+from mars.protocol.sse import aiter_sse_lines
 
 
 #: events that end a session: a tool-runner key may not post them (docs/sidecar.md, "Trust
@@ -124,7 +125,7 @@ class StreamRecorder:
                     if r.status_code != 200:
                         self.error = f"HTTP {r.status_code}"
                         return
-                    async for line in r.aiter_lines():
+                    async for line in aiter_sse_lines(r.aiter_bytes()):
                         if line.startswith("data:"):
                             self._write(f, line[5:].strip())
             except httpx.HTTPError as e:

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from mars.protocol.sse import aiter_sse_lines
+
 
 class ReplayError(RuntimeError):
     """A problem the user must fix (unreachable server, unsupported server, bad input);
@@ -150,7 +152,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 raise CallError(f"HTTP {r.status_code}: {_error_message(text)}")
-            async for line in r.aiter_lines():
+            async for line in aiter_sse_lines(r.aiter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 now = time.monotonic()  # stamped before parsing: a long prompt echo is slow
