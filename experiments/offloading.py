@@ -7,9 +7,10 @@ regime and rate, or a trace file) three runs of the same trace --
 * ``on``: the same policies over vLLM's own offloading (``--kv-offloading-size GiB``: every
   block stored to host memory, LRU there, loaded back on a prefix hit), each transfer timed
   on the emulated host link; mars prices a release as the read back (its three places);
-* ``two``: mars over the same offloading with its rule blind to the host tier
-  (``host_tier: false``, the two-place rule) -- the ablation the three-place claim is
-  measured against.
+* ``two``: mars over the same offloading blind to the host tier -- its retention rule
+  (``--mars-config '{"retention": {"host_tier": false}}'``, the two-place rule) and its
+  admission (``--admission-config '{"host_tier": false}'``: every admitted context charged
+  whole) -- the ablation the three-place claim is measured against.
 
 Then one table: mean and P90 latency, TTFT of later rounds, the prefix hit rate of later
 rounds (cached tokens over prompt tokens), recomputed context, and the bytes each way on
@@ -35,6 +36,7 @@ from pathlib import Path
 
 VARIANTS = ("off", "on", "two")
 BLIND = '{"retention": {"host_tier": false}}'
+BLIND_ADMISSION = '{"host_tier": false}'
 
 
 def _engine_args(variant: str, gib: float) -> str:
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> None:
         cmd = [sys.executable, "-m", "mars.cli", "sim", "run", *point, "--gpu", args.gpu,
                "--policies", policies, "--engine-args", _engine_args(v, args.host_gib),
                "--seed", str(args.seed), "--ideal", "skip", "--jobs", str(args.jobs),
-               "--no-progress", "--no-plots", "--out", str(out)]
+               "--no-progress", "--no-plots", "--out", str(out),
+               *(["--admission-config", BLIND_ADMISSION] if v == "two" else [])]
         print(f"[{v}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
         with open(f"{out}.log", "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -67,10 +70,12 @@ def _row(path: Path) -> dict:
     r = json.loads((path / "results.json").read_text())
     s = r["summary"]
     later = [x for x in s["ttft_by_round"] if x["round"] >= 1]
+    first = [x for x in s["ttft_by_round"] if x["round"] == 0]
     n = sum(x["count"] for x in later)
     link = r["run"].get("host_link") or {}
     return {
         "mean": s["latency_s"]["mean"], "p90": s["latency_s"]["p90"],
+        "ttft_first": first[0]["mean"] if first else float("nan"),
         "ttft_later": sum(x["mean"] * x["count"] for x in later) / n if n else float("nan"),
         "hit": s["cached_fraction"].get("later_rounds_token_weighted") or float("nan"),
         "recomputed": s.get("recomputed_context_tokens") or 0,
@@ -91,11 +96,12 @@ def table(prefix: str) -> str:
             if v == "on" and p.name == "mars":
                 name = "**mars three-place + offload**"
             rows.append((name, _row(p)))
-    out = ["| policy | mean (s) | P90 (s) | TTFT, rounds ≥ 1 (s) | prefix hit, rounds ≥ 1 | "
-           "recomputed (K tokens) | to host (GB) | from host (GB) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| policy | mean (s) | P90 (s) | TTFT, round 0 (s) | TTFT, rounds ≥ 1 (s) | "
+           "prefix hit, rounds ≥ 1 | recomputed (K tokens) | to host (GB) | from host (GB) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, x in rows:
-        out.append(f"| {name} | {x['mean']:,.1f} | {x['p90']:,.1f} | {x['ttft_later']:.2f} | "
+        out.append(f"| {name} | {x['mean']:,.1f} | {x['p90']:,.1f} | {x['ttft_first']:.2f} | "
+                   f"{x['ttft_later']:.2f} | "
                    f"{x['hit']:.1%} | {x['recomputed'] / 1e3:,.0f} | {x['stored_gb']:,.0f} | "
                    f"{x['loaded_gb']:,.0f} |")
     return "\n".join(out)

@@ -171,10 +171,18 @@ def test_the_simulator_waits_for_loads_without_stalling_and_counts_the_bytes(pol
     try:
         res = sim.run(trace, "load", policy)
         pinned = sim.engine.scheduler.mars_cosched.pins.pinned_blocks
+        balance = sim.control.core.balance
     finally:
         sim.close()
     assert res.summary["tasks"]["completed"] == len(trace), res.summary
     assert pinned == 0
+    # the engine announced its host tier to the control plane: 64 GiB of Qwen3-Coder-30B's
+    # 98,304 bytes a token, in blocks of 16
+    assert balance.state.host_blocks == 64 * 2**30 // 98_304 // 16
+    if policy == "mars":
+        # sessions ended, each with time in the engine and in tools: the share is measured
+        assert len(balance.engine_share) == len(trace)
+        assert 0 < balance.engine_share.share() < 1
     link = res.run["host_link"]
     assert link["bytes_store"] > 0 and link["busy_s_store"] > 0
     if policy != "mars":

@@ -171,3 +171,26 @@ def test_a_session_moved_away_and_back_waits_on_its_latest_stay():
     clock.advance_to(20.0 + bound + 0.01)
     tl.run_due(clock())
     assert failed == [("s", pytest.approx(20.0 + bound))]
+
+
+def test_the_sidecar_config_takes_admission_overrides_as_mars_sidecar_does():
+    """``mars sim run --admission-config`` reaches the simulated sidecar as ``mars sidecar
+    --admission-config`` reaches the served one; the engine's block size stays unless the
+    object sets it, and bad objects are refused before any run starts."""
+    import subprocess
+    import sys
+
+    from mars.sim.control import sidecar_config
+
+    sc = sidecar_config(True, 4, 32, {"host_tier": False, "packing": {"max_queue_wait_s": 9}})
+    cfg = sc.admission_config
+    assert cfg.host_tier is False and cfg.packing.max_queue_wait_s == 9
+    assert cfg.packing.block_size == 32 and cfg.pressure.tool_cores == 4
+    assert sidecar_config(True, 4, 32).admission_config.host_tier is True
+    for bad, why in (('{"host_tyre": false}', "host_tyre"), ('{"host_tier": 1}', "true or false"),
+                     ("[1]", "JSON object")):
+        p = subprocess.run([sys.executable, "-m", "mars.cli", "sim", "run", "ILR-1",
+                            "--num-tasks", "1", "--admission-config", bad],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "--admission-config" in p.stderr and why in p.stderr, \
+            p.stderr[-500:]

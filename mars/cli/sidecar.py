@@ -72,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cores available to agent tools (default: os.cpu_count())")
     g.add_argument("--admission-config", default=None, metavar="JSON|@FILE",
                    help="AdmissionConfig overrides as JSON (keys max_queue, pending_ttl_s, "
-                        "projected_fill, growth_forecast, aimd, packing, pressure; see "
-                        "docs/control_plane.md)")
+                        "projected_fill, growth_forecast, host_tier, aimd, packing, pressure; "
+                        "see docs/control_plane.md)")
     g.add_argument("--admission-timeout", type=float, default=d.admission_timeout_s,
                    help="a request waiting for admission gets 503 once nothing has progressed "
                         "(admission, session end, finished request, engine output, tool end) "

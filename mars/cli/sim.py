@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import os
 import shlex
 import sys
@@ -101,7 +102,8 @@ def point_config(args: argparse.Namespace, policy: str, engines: int | None = No
                      progress=not args.no_progress and args.jobs == 1,
                      profile=args.profile,
                      engines=getattr(args, "engines", 1) if engines is None else engines,
-                     placement=getattr(args, "placement", "mars"))
+                     placement=getattr(args, "placement", "mars"),
+                     admission_config=getattr(args, "admission_json", "") or "")
 
 
 def scheduling_class(engine_args: str) -> str:
@@ -214,6 +216,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"mars sim: --engine-args: {bad[0]} configures the sidecar, which mars sim "
               "models from its defaults (use mars sim's own --tool-cores)", file=sys.stderr)
         return 1
+    args.admission_json = ""
+    if args.admission_config:
+        from mars.sidecar.config import admission_config, read_admission_overrides
+
+        try:
+            raw = read_admission_overrides(args.admission_config)
+            admission_config(raw)  # every key and value checked before any run starts
+        except (OSError, ValueError, TypeError) as e:
+            print(f"mars sim: --admission-config: {e}", file=sys.stderr)
+            return 1
+        args.admission_json = json.dumps(raw)
     if args.flat and len(args.policies) != 1:
         print("mars sim: --flat writes one policy's results into --out: give one policy",
               file=sys.stderr)
@@ -323,6 +336,10 @@ def register(sub) -> None:
     r.add_argument("--engine-args", default="", metavar="ARGS",
                    help="more `mars-vllm serve` arguments, one string (e.g. "
                         "'--max-num-seqs 256')")
+    r.add_argument("--admission-config", default=None, metavar="JSON|@FILE",
+                   help="the sidecar's AdmissionConfig overrides, as `mars sidecar "
+                        "--admission-config` takes them (e.g. '{\"host_tier\": false}'; "
+                        "docs/control_plane.md)")
     r.add_argument("--no-async-scheduling", action="store_true",
                    help="vLLM's sync scheduler class (MarsScheduler) instead of the async one "
                         "(MarsAsyncScheduler) that vLLM runs on a GPU by default")

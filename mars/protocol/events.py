@@ -152,6 +152,8 @@ class SchedulerStart(_Base):
     total_blocks: int = Field(ge=0)
     block_size: int = Field(ge=1)
     pid: int
+    #: blocks of context the engine's host tier holds (vLLM's KV offloading); absent: none
+    host_blocks: int | None = Field(ge=0, default=None)
 
 
 class ToolEnqueue(_Base):

@@ -13,7 +13,7 @@ records it and shows it to the core, as the sidecar's hub does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Mapping
 
 from mars.policy.control.admission import QueueFull
 from mars.policy.control.packing import QueuedSession
@@ -25,15 +25,18 @@ from mars.sim.clock import Timeline, VirtualClock
 __all__ = ["QueueFull", "SimControl", "sidecar_config"]
 
 
-def sidecar_config(admission: bool, tool_cores: int, block_size: int) -> SidecarConfig:
+def sidecar_config(admission: bool, tool_cores: int, block_size: int,
+                   overrides: Mapping[str, Any] | None = None) -> SidecarConfig:
     """The sidecar's configuration as ``mars-vllm serve --tool-cores N`` starts it: defaults
-    but the admission switch, the tool cores and the engine's KV block size. A test holds
-    every field but the served-only ones (upstream, engine events, API keys) equal to what
-    ``mars sidecar``'s parser makes of the same flags."""
+    but the admission switch, the tool cores and the engine's KV block size, and
+    ``overrides`` (``--admission-config``'s object). A test holds every field but the
+    served-only ones (upstream, engine events, API keys) equal to what ``mars sidecar``'s
+    parser makes of the same flags."""
+    raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (overrides or {}).items()}
+    raw.setdefault("packing", {}).setdefault("block_size", block_size)
     return SidecarConfig(
         upstream="http://sim", admission=admission,
-        admission_config=admission_config({"packing": {"block_size": block_size}},
-                                          tool_cores=tool_cores))
+        admission_config=admission_config(raw, tool_cores=tool_cores))
 
 
 class SimControl:

@@ -88,6 +88,8 @@ class SimConfig:
     engines: int = 1
     #: how the sidecar places sessions on them (mars.policy.control.placement.PLACERS)
     placement: str = "mars"
+    #: the sidecar's ``--admission-config`` (a JSON object; empty: defaults)
+    admission_config: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.engines, int) or self.engines < 1:
@@ -173,7 +175,8 @@ class Simulation:
         self.router = SessionRouter(make_placer(cfg.placement))
         self._events_file = open(events_path, "w", encoding="utf-8") if events_path else None
         sc = sidecar_config(get_policy(cfg.policy).sidecar_admission, cfg.tool_cores,
-                            self.lanes[0].engine.block_size)
+                            self.lanes[0].engine.block_size,
+                            json.loads(cfg.admission_config) if cfg.admission_config else None)
         sc = replace(sc, admission_config=sc.admission_config.per_engine(n))
         for lane in self.lanes:
             lane.control = SimControl(
@@ -307,6 +310,8 @@ class Simulation:
             config={"token_range": list(cfg.token_range), "seed": cfg.seed, "salt": salt,
                     "tool_cores": [], "tool_workers": cfg.tool_cores, "tool_burn": "virtual",
                     "policy": cfg.policy, "engine_args": list(cfg.engine_args),
+                    **({"admission_config": json.loads(cfg.admission_config)}
+                       if cfg.admission_config else {}),
                     **({"host_model": cfg.host.as_dict()} if cfg.host.active else {}),
                     "slacks": list(cfg.slacks)},
             run={"start_unix": t0, "end_unix": t1, "wall_s": t1 - t0, "interrupted": False,

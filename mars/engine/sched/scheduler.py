@@ -186,6 +186,8 @@ class MarsSchedulerMixin:
             total_blocks=self.mars_cosched.total_blocks,
             block_size=self.block_size,
             pid=os.getpid(),
+            **({"host_blocks": tier.capacity_tokens // self.block_size}
+               if (tier := self._mars_host_tier) is not None else {}),
         ))
 
     def set_mars_clock(self, clock: Callable[[], float]) -> None:

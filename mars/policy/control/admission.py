@@ -47,6 +47,7 @@ from mars.policy.control.growth import ContextGrowth, Projection
 from mars.policy.control.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
                                  estimate_blocks)
 from mars.policy.control.pressure import DualPressureState, PressureConfig, PressureSignals
+from mars.policy.control.residency import EngineShare, ResidentShare
 
 
 class QueueFull(Exception):
@@ -74,6 +75,12 @@ class AdmissionConfig:
     #: (:mod:`mars.policy.control.growth`), and charge a queued session what it raises that by; False:
     #: each context at its latest size, a queued one at its estimate (the behaviour before).
     growth_forecast: bool = True
+    #: With a host tier under the engine (vLLM's KV offloading: the engine announces its
+    #: size), charge each admitted context its measured engine share: only the sessions with
+    #: a call in the engine need theirs resident, a paused one's comes back over the host
+    #: link, not by recompute (:mod:`mars.policy.control.residency`). False: every admitted
+    #: context counts whole, as without a host tier (the ablation).
+    host_tier: bool = True
     aimd: AIMDConfig = field(default_factory=AIMDConfig)
     packing: PackConfig = field(default_factory=PackConfig)
     pressure: PressureConfig = field(default_factory=PressureConfig)
@@ -81,6 +88,8 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if not isinstance(self.host_tier, bool):
+            raise ValueError(f"host_tier must be true or false, got {self.host_tier!r}")
         fill = self.projected_fill
         if fill is not None and not (isinstance(fill, (int, float)) and math.isfinite(fill)
                                      and fill > 0):
@@ -122,6 +131,23 @@ class AdmittedSession:
     calls: int = 0
     first_round: int | None = None
     last_round: int | None = None
+    #: seconds with a call in the engine so far (closed spans), when the open span began
+    #: (None: no call in the engine), and calls that ended: its engine share
+    #: (:class:`~mars.policy.control.residency.EngineShare`)
+    busy_s: float = 0.0
+    busy_since: float | None = None
+    calls_ended: int = 0
+
+    def busy_until(self, now: float) -> float:
+        """Seconds with a call in the engine up to ``now``."""
+        open_s = 0.0 if self.busy_since is None else max(0.0, now - self.busy_since)
+        return self.busy_s + open_s
+
+    def engine_idle(self, now: float | None) -> None:
+        """Its last call in the engine ended (or the engine lost it) at ``now``."""
+        if self.busy_since is not None and now is not None:
+            self.busy_s += max(0.0, now - self.busy_since)
+        self.busy_since = None
 
     @property
     def rounds(self) -> int:
@@ -255,6 +281,9 @@ class BalanceAndAdmit:
         self.last: StepResult | None = None
         self.gaps = RoundGaps()
         self.growth = ContextGrowth()
+        self.engine_share = EngineShare()
+        #: the latest time seen (a step's or an event's): when a session ends, for its share
+        self._now: float | None = None
         #: never ready: the projection without a forecast (``growth_forecast`` off)
         self._no_growth = ContextGrowth(max_samples=1, min_samples=2)
 
@@ -303,6 +332,24 @@ class BalanceAndAdmit:
                    if a.session_id not in quiet]
         return self._forecaster.project(counted)
 
+    def engine_share_now(self, now: float) -> float:
+        """The measured fraction of an admitted session's time with a call in the engine,
+        over recent ended sessions and the admitted ones that have finished a call (1 until
+        enough count; :class:`~mars.policy.control.residency.EngineShare`)."""
+        live = [(a.busy_until(now), now - a.admitted_at) for a in self._admitted.values()
+                if a.calls_ended]
+        return self.engine_share.share(live)
+
+    def footprint(self, sig: PressureSignals, now: float) -> Projection | ResidentShare:
+        """What the packer charges new sessions against: the admitted sessions' projected
+        contexts, each at its engine share when the engine has a host tier
+        (:mod:`mars.policy.control.residency`; ``host_tier`` off or no host tier: whole)."""
+        projection = self.projection(now)
+        if not (self.config.host_tier and sig.host_blocks):
+            return projection
+        share = self.engine_share_now(now)
+        return ResidentShare(projection, share, sig.host_blocks)
+
     def session_peak(self, est_blocks: int) -> int:
         """A queued session's expected peak context, from its first prompt's estimate (the
         estimate itself with ``growth_forecast`` off or too few ended sessions)."""
@@ -343,7 +390,7 @@ class BalanceAndAdmit:
             adm.idle_since = now if adm.idle_since is None else max(adm.idle_since, now)
 
     def room(self, sig: PressureSignals, now: float,
-             projection: Projection | None = None) -> int | None:
+             projection: Projection | ResidentShare | None = None) -> int | None:
         """The KV budget PackQueue packs new sessions into (None: unknown, no bound).
 
         The free blocks, less the estimates of sessions admitted but not yet resident
@@ -356,14 +403,19 @@ class BalanceAndAdmit:
         Qwen3-Coder, ILR-3: admitted contexts summing to 1.5-2.2 pools, 7-15 preemptions of
         100K-185K-token prefills per run). The pool's size is the last one the engine
         reported (it does not go stale): the bound holds while the KV snapshot is stale
-        (every session in a long tool call, the engine idle) or not yet in. The progress rule still admits one session when
-        none is admitted."""
+        (every session in a long tool call, the engine idle) or not yet in. The progress
+        rule still admits one session when none is admitted.
+
+        With a host tier (``projection`` a :class:`ResidentShare`, :meth:`footprint`) the
+        projected contexts count at the engine share (the host pool's bound is on each
+        pick: :class:`~mars.policy.control.residency.ResidentShare`)."""
         free = sig.free_blocks
         if free is not None:
             free = max(0, free - self.pending_blocks(now))
+        fp = projection if projection is not None else self.footprint(sig, now)
         limit = self._fill_blocks(sig)
         if limit is not None:
-            left = max(0, limit - (projection or self.projection(now)).peak)
+            left = max(0, limit - fp.peak)
             free = left if free is None else min(free, left)
         return free
 
@@ -376,6 +428,7 @@ class BalanceAndAdmit:
         ok = self.state.observe(event)
         if not isinstance(event, Mapping):
             return ok
+        self._tick(_when(event, now))
         if event.get("kind") == "scheduler_start":
             # a (re)started engine: the calls the old one had will send no gpu_end
             t = _when(event, now)
@@ -383,6 +436,7 @@ class BalanceAndAdmit:
                 if a.inflight:
                     a.inflight.clear()
                     a.idle_since = t
+                    a.engine_idle(t)
         if event.get("session_id") is None:
             return ok
         kind, sid = event.get("kind"), str(event["session_id"])
@@ -397,6 +451,8 @@ class BalanceAndAdmit:
                     if t is not None:
                         self.gaps.observe(t - adm.idle_since)
                 adm.idle_since = None
+                if not adm.inflight:
+                    adm.busy_since = _when(event, now)
                 adm.latest_blocks = int(blocks)
                 adm.submitted(int(blocks), event.get("round"))
                 adm.inflight[str(event.get("request_id"))] = int(blocks)
@@ -405,16 +461,23 @@ class BalanceAndAdmit:
             self._pending.pop(sid, None)
             if kind == "gpu_end" and adm is not None:
                 known = adm.inflight.pop(str(event.get("request_id")), None) is not None
+                if known:
+                    adm.calls_ended += 1
                 if known and not adm.inflight:  # (an unknown id ends no round of ours)
                     adm.idle_since = _when(event, now)
+                    adm.engine_idle(adm.idle_since)
         elif kind in _TOOL_LIFE and adm is not None:
             # (the pressure state keeps its open and queued calls)
             t = _when(event, now)
             if t is not None and adm.idle_since is not None:
                 adm.idle_since = max(adm.idle_since, t)
         elif kind == "session_end":
-            self.release(sid)
+            self.release(sid, _when(event, now))
         return ok
+
+    def _tick(self, t: float | None) -> None:
+        if t is not None and math.isfinite(t):
+            self._now = t if self._now is None else max(self._now, t)
 
     def enqueue(self, session_id: str, now: float, *, prompt_tokens: int = 0,
                 est_blocks: int | None = None, tool_share: float | None = None,
@@ -469,21 +532,25 @@ class BalanceAndAdmit:
         if slots <= 0:
             return False
         sig = self.state.signals(now)
-        projection = self.projection(now)  # (a fresh one: the packer adds to it)
+        projection = self.footprint(sig, now)  # (a fresh one: the packer adds to it)
         free = self.room(sig, now, projection)
         probe = QueuedSession("(probe)", now, est_blocks=max(0, int(est_blocks)))
         pack = self.packer.pack([probe], sig, slots, free, now, in_use=self.in_use,
                                 footprint=projection, charge_cap=self._fill_blocks(sig))
         return bool(pack.sessions)
 
-    def release(self, session_id: str) -> bool:
-        """A session ended: free its slot (idempotent). Also drops it from the queue."""
+    def release(self, session_id: str, now: float | None = None) -> bool:
+        """A session ended (at ``now``, default the latest time seen): free its slot
+        (idempotent). Also drops it from the queue."""
         self._pending.pop(session_id, None)
         self.state.forget_session(session_id)
         adm = self._admitted.pop(session_id, None)
         was_admitted = adm is not None
         if adm is not None and adm.first_blocks is not None:
             self.growth.observe(adm.rounds, adm.grown)
+        self._tick(now)
+        if adm is not None and adm.calls_ended and self._now is not None:
+            self.engine_share.observe(adm.busy_until(self._now), self._now - adm.admitted_at)
         was_queued = self._queue.pop(session_id, None) is not None
         return was_admitted or was_queued
 
@@ -494,6 +561,7 @@ class BalanceAndAdmit:
 
     def step(self, now: float) -> StepResult:
         """BalanceAndAdmit: UpdateWindow, then PackQueue over the free slots."""
+        self._tick(now)
         sig = self.state.signals(now)
         in_use = self.in_use
         decision = self.controller.update(sig, in_use, now, queued=self.queued)
@@ -502,7 +570,7 @@ class BalanceAndAdmit:
         admitted: list[str] = []
         admissions: list[tuple[str, float, int]] = []
         if self._queue:
-            projection = self.projection(now)
+            projection = self.footprint(sig, now)
             free = self.room(sig, now, projection)
             pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use,
                                     footprint=projection, charge_cap=self._fill_blocks(sig))

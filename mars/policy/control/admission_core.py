@@ -352,6 +352,11 @@ class AdmissionCore:
             # the growth forecast in it: how many ended sessions it is measured on (none
             # before 8: projected_blocks is then the latest contexts' sum)
             "growth_samples": len(self.balance.growth),
+            # with a host tier under the engine (vLLM's KV offloading): its size in blocks,
+            # and the engine share each admitted context is charged at (1: whole)
+            "host_blocks": sig.host_blocks,
+            "engine_share": (self.balance.engine_share_now(now)
+                             if sig.host_blocks and self.balance.config.host_tier else None),
             "signals": {
                 "active_tools": sig.active_tools, "cpu_load": sig.cpu_load,
                 "queued_tools": self.balance.state.queued_tools,

@@ -153,6 +153,9 @@ class PressureSignals:
     #: ``kv_snapshot``): a fixed fact about the engine, so it never goes stale, unlike
     #: ``total_blocks``, which is None whenever the snapshot is (None: never reported)
     pool_blocks: int | None = None
+    #: the engine's host tier (vLLM's KV offloading) in blocks of context it holds, as its
+    #: ``scheduler_start`` announced (None: none)
+    host_blocks: int | None = None
 
     @property
     def kv_known(self) -> bool:
@@ -194,6 +197,7 @@ class DualPressureState:
         self._kv: dict[str, int] | None = None
         self._kv_ts: float | None = None
         self.pool_blocks: int | None = None
+        self.host_blocks: int | None = None
         self.block_size: int | None = None
         # compute
         self._preempt_ts: deque[float] = deque()
@@ -262,6 +266,8 @@ class DualPressureState:
         self._preempt_ts.clear()
         total = _get(ev, "total_blocks")
         self.pool_blocks = int(total) if total is not None and int(total) > 0 else None
+        host = _get(ev, "host_blocks")
+        self.host_blocks = int(host) if host is not None and int(host) > 0 else None
 
     def _on_preempt(self, ev: Any, ts: float) -> None:
         self._preempt_ts.append(ts)
@@ -487,4 +493,5 @@ class DualPressureState:
             tool_slowdown=self._slowdown.value if active > 0 else None,
             tool_starts_total=self.tool_starts_total,
             pool_blocks=self.pool_blocks,
+            host_blocks=self.host_blocks,
         )

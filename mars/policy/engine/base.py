@@ -256,6 +256,12 @@ class HostTier:
     def read_bytes_per_s(self) -> float:
         return self.rate.per_s
 
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of context the host pool holds (of the full-attention layers, which
+        keep every token)."""
+        return int(self.capacity_bytes // self.bytes_per_token)
+
     def observe_read(self, nbytes: int, seconds: float) -> None:
         self.rate.observe(nbytes, seconds)
 
