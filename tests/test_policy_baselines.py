@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mars.policy.engine.base import CallRecord, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
+from mars.policy.engine.base import (CallRecord, CallView, KvPressure, OrderingPolicy, PinCandidate,
+                                     RetentionPolicy)
 from mars.policy.engine.baselines import (
     AutellixPLAS,
     ContinuumConfig,
@@ -121,6 +122,37 @@ def test_infercept_break_even_and_decision():
     for _ in range(20):
         pol.observe_tool("slow", 9.0)                 # mean 9 > 6.4 -> discard
     assert pol.admit(cand("slow", session="s2"), k, now=0.0) == 0.0
+
+
+def test_infercept_swaps_when_the_engine_has_a_host_tier():
+    """InferCept's third option: with vLLM offloading to host memory a released context
+    returns by a read (only the request waits: vLLM copies on its own stream) plus the
+    recompute of what the host does not hold, so the break-even pin shrinks to that waste;
+    ``swap: false`` keeps discard-or-preserve."""
+    from mars.policy.engine.base import HostTier
+    from mars.policy.engine.baselines import InferceptConfig
+
+    tier = HostTier(98_304, 64 * 2**30, 30e9, block_tokens=16)
+    k = kv(free=5_000, pinned=1_000)
+    c = PinCandidate(session_id="s", blocks=2000, context_tokens=32_000, tool="t",
+                     started=0.0, prompt_tokens=31_500)
+    pol, plain = InferceptRetention(), InferceptRetention(InferceptConfig(swap=False))
+    for p in (pol, plain):
+        p.attach_host_tier(tier)
+        for _ in range(5):
+            p.observe_tool("t", 5.0)
+    read = 31_488 * 98_304 / 30e9  # the prompt's whole blocks come back
+    swap = read * 2000 + (512 / 10_000) * 4000  # the rest is recomputed beside the batch
+    assert pol.break_even_s(c, k) == pytest.approx(swap / 2000)
+    assert plain.break_even_s(c, k) == pytest.approx(6.4)
+    assert pol.admit(c, k, now=0.0) == 0.0  # a 5 s tool wastes more pinned than swapped
+    assert plain.admit(c, k, now=0.0) == pytest.approx(6.4)
+    with pytest.raises(ValueError, match="swap"):
+        InferceptConfig(swap="no")
+    # a context larger than the host pool cannot be swapped: discard or preserve again
+    huge = cand(ctx=10_000_000, blocks=9_000)
+    assert pol.break_even_s(huge, kv(free=9_000, total=100_000)) == pytest.approx(
+        plain.break_even_s(huge, kv(free=9_000, total=100_000)))
 
 
 def test_infercept_keep_only_checks_expiry():

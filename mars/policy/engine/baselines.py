@@ -21,7 +21,8 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.engine.base import CallView, KvPressure, OrderingPolicy, PinCandidate, RetentionPolicy
+from mars.policy.engine.base import (CallView, HostTier, KvPressure, OrderingPolicy, PinCandidate,
+                                     RetentionPolicy)
 from mars.policy.engine.retention import PrefillRate, ToolDurationModel
 
 # ====================================================================== Autellix PLAS
@@ -291,6 +292,13 @@ class InferceptConfig:
     #: expected duration of a tool never seen, when no tool has been seen either
     prior_mean_s: float = 5.0
     max_samples: int = 512
+    #: InferCept's third option, swap, when the engine has a host tier (vLLM's KV
+    #: offloading); False: discard or preserve only, as without one
+    swap: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.swap, bool):
+            raise ValueError(f"swap must be true or false, got {self.swap!r}")
 
 
 class InferceptRetention(_OneShotRetention):
@@ -305,8 +313,19 @@ class InferceptRetention(_OneShotRetention):
 
     ``E[D]`` is the running mean of the tool's observed durations (all tools' if the tool was
     never seen, ``prior_mean_s`` if nothing was). ``B_batch = total - free - pinned - B``
-    (the candidate's blocks are still held at admit). InferCept's third option, swapping to
-    host memory, is not modelled: our engine has no swap path.
+    (the candidate's blocks are still held at admit).
+
+    Swap, InferCept's third option, when the engine offloads to host memory
+    (:meth:`attach_host_tier`; ``swap``): the paper charges a swap the time it stalls the
+    running batch, ``2 T_swap(C_i) C_batch``, because vLLM's swaps then ran on the compute
+    stream. vLLM 0.32's offloading copies on a stream of its own and stores each prompt's
+    blocks as they are computed, so nothing waits for the write and only the returning
+    request waits for its read: ``W_swap = T_read(held) * B + R(rest) * (B + B_batch)``,
+    where ``held`` is what the host holds of the context (vLLM stores prompts: the round's
+    output is recomputed, a discard's waste). Preserve iff ``W_preserve`` is the least of
+    the three, pinned for ``min(W_discard, W_swap) / B``; otherwise the blocks are released
+    and vLLM loads what the host holds on the next round's prefix hit (swap) or it is
+    recomputed (discard): both are a release here.
     """
 
     name = "infercept"
@@ -316,11 +335,29 @@ class InferceptRetention(_OneShotRetention):
         self.config = cfg = config or InferceptConfig()
         super().__init__(durations or ToolDurationModel(cfg.max_samples, 1, cfg.prior_mean_s),
                          PrefillRate(cfg.prefill_tokens_per_s, cfg.prefill_ema_alpha))
+        self.host: HostTier | None = None
+
+    def attach_host_tier(self, tier: HostTier) -> None:
+        if self.config.swap:
+            self.host = tier
+
+    def observe_host_read(self, nbytes: int, seconds: float) -> None:
+        if self.host is not None:
+            self.host.observe_read(nbytes, seconds)
 
     def break_even_s(self, cand: PinCandidate, kv: KvPressure) -> float:
+        """The pin that wastes what the cheaper of discard and swap would."""
         own = max(1, cand.blocks)
         batch = max(0, kv.total_blocks - kv.free_blocks - kv.pinned_blocks - cand.blocks)
-        return self.prefill.recompute_s(cand.context_tokens) * (own + batch) / own
+        ctx = cand.context_tokens
+        waste = self.prefill.recompute_s(ctx) * (own + batch)  # discard
+        host = self.host
+        if host is not None:
+            held = host.held_tokens(ctx, cand.prompt_tokens)
+            swap = (host.read_s(held) * own
+                    + self.prefill.recompute_s(ctx - held) * (own + batch))
+            waste = min(waste, swap)
+        return waste / own
 
     def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         tau_be = self.break_even_s(cand, kv)
