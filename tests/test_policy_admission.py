@@ -630,3 +630,19 @@ def test_side_calls_share_their_round():
                               prompt_tokens=blocks * 16, projected_blocks=blocks))
     adm = [a for a in ba.admitted_sessions() if a.session_id == "n"][0]
     assert (adm.rounds, adm.grown) == (3, 40)
+
+
+def test_a_session_moved_in_respects_the_queue_bound():
+    """``put_in`` (a queued session moved from another engine) is bounded by ``max_queue``
+    as ``enqueue`` is, and an engine whose queue can hold nobody never says it would admit."""
+    src = BalanceAndAdmit()
+    qs = src.enqueue("x", 0.0, est_blocks=4)
+    full = BalanceAndAdmit(AdmissionConfig(max_queue=1))
+    full.enqueue("y", 0.0, est_blocks=4)
+    with pytest.raises(QueueFull):
+        full.put_in(src.take_out("x"))
+    none = BalanceAndAdmit(AdmissionConfig(max_queue=0))
+    none.step(0.0)
+    assert not none.would_admit(0, 0.0)
+    with pytest.raises(QueueFull):
+        none.put_in(qs)

@@ -517,6 +517,8 @@ class BalanceAndAdmit:
         (its wait counts towards ageing here as it did there)."""
         if qs.session_id in self._admitted or qs.session_id in self._queue:
             raise ValueError(f"session {qs.session_id!r} is already here")
+        if len(self._queue) >= self.config.max_queue:
+            raise QueueFull(f"admission queue full ({self.config.max_queue} sessions)")
         self._queue[qs.session_id] = replace(qs, seq=next(self._seq))
 
     def would_admit(self, est_blocks: int, now: float) -> bool:
@@ -526,8 +528,8 @@ class BalanceAndAdmit:
         ones already waiting): a free slot in the window's last budget, and the packer's
         KV room (the same :meth:`room` and growth charge a step would use) or its progress
         rule (nothing admitted)."""
-        if self._queue or self.last is None:
-            return False
+        if self._queue or self.last is None or self.config.max_queue < 1:
+            return False  # (a queue of none could not take the session in)
         slots = self.last.decision.budget - self.in_use
         if slots <= 0:
             return False
