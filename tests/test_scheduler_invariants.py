@@ -305,3 +305,38 @@ def test_random_cases_keep_the_invariants(chunk):
 def test_case(seed):
     """Replay single seeds: ``MARS_SEED=17,42 pytest ... -k test_case``."""
     run_case(make_case(seed))
+
+
+def test_run_until_idle_waits_for_a_load_from_host():
+    """A request whose prefix vLLM loads from host memory waits on the link, not on a step:
+    with async scheduling an empty step takes no time, so ``run_until_idle`` moves the clock
+    to the transfer's end instead of stepping until its step bound."""
+    from mars.policy.engine.host_tier import HostLink
+
+    if not _MODEL_CONFIG:
+        _engine("fcfs", num_blocks=16).close()
+    args = _offload_args(Case(seed=0, policy="fcfs", num_blocks=48, budget=256, max_seqs=8,
+                              sessions=[], offload=2.0))
+    # a slow read: one block a second (hundreds of 5 ms steps a block); writes as fast as
+    # in the sweep
+    rate = args["offload_bytes"] / 2 / 48
+    args["host_link"] = HostLink(d2h_bytes_per_s=args["host_link"].d2h_bytes_per_s,
+                                 h2d_bytes_per_s=rate)
+    eng = _engine("fcfs", num_blocks=48, max_num_batched_tokens=256, async_scheduling=True,
+                  **args)
+    try:
+        a = _tokens(1, 500)
+        eng.add("a1", a, 2)
+        eng.run_until_idle(max_steps=2_000)
+        for i in range(2):  # evict it from the GPU pool
+            eng.add(f"f{i}", _tokens(10 + i, 600), 2)
+            eng.run_until_idle(max_steps=2_000)
+        t0 = eng.clock()
+        eng.add("a2", a + [5, 6], 2)
+        eng.run_until_idle(max_steps=200)
+        st = eng.offload.link.stats
+        assert st.transfers["load"] >= 1 and st.bytes["load"] / rate > 0.5
+        assert eng.clock() - t0 >= st.bytes["load"] / rate  # it waited for the load
+        assert eng.kv_account().balanced
+    finally:
+        eng.close()

@@ -346,9 +346,17 @@ class OfflineEngine:
         return finished
 
     def run_until_idle(self, max_steps: int = 20_000) -> None:
+        """Step until every request has finished. With offloading, a step that scheduled
+        nothing and moved no load while a transfer is in flight advances the virtual clock
+        to the transfer's end (the engine would poll until then), as the simulator does."""
         start = self.steps
         while (self.live or self._batch_queue) and self.steps - start < max_steps:
+            marks = self.load_marks()
             self.step()
+            wake = self.wake_at()
+            if (not self.last_scheduled_tokens and self.load_marks() == marks
+                    and wake is not None and wake > self.clock()):
+                self.clock.advance_to(wake)
         if self.live:
             raise AssertionError(f"{len(self.live)} requests never finished "
                                  f"in {max_steps} steps: {self.describe()}")
