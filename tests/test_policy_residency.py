@@ -52,10 +52,12 @@ def test_resident_share_charges_the_share_rounded_up():
         ResidentShare(inner, 0.0)
     with pytest.raises(ValueError):
         ResidentShare(inner, 1.5)
-    # the host holds every context whole: past it a session is charged more than any room
+    # what the host cannot hold stays in GPU memory: charged whole, never more
     held = ResidentShare(ContextGrowth().project([(100, 1)]), 0.25, host_blocks=300)
-    assert held.rise(200) == 50
-    assert held.rise(201) == ResidentShare.OVER
+    assert held.peak == 25 and held.rise(200) == 50
+    assert held.rise(400) == 200 - 25  # 500 whole: 200 beyond the host
+    tiny = ResidentShare(ContextGrowth().project([(100, 1)]), 0.25, host_blocks=50)
+    assert tiny.peak == 50 and tiny.rise(100) == 100  # all of it beyond the host: whole
 
 
 def _start(ba: BalanceAndAdmit, ts: float, total: int, host: int | None) -> None:
@@ -104,8 +106,8 @@ def test_a_host_tier_charges_admitted_contexts_their_engine_share():
     for sid in ("a", "b"):
         _session(ba, sid, 30.0, 400, busy=5.0, life=0.0, end=False)
     now = 40.0
-    share = ba.engine_share_now(now)  # a and b: 5 s of 10 so far count too
-    assert share == pytest.approx((8 * 5 + 2 * 5) / (8 * 20 + 2 * 10))
+    share = ba.engine_share_now(now)  # a and b: 5 s of 10 so far count too, by their blocks
+    assert share == pytest.approx((8 * 100 * 5 + 2 * 400 * 5) / (8 * 100 * 20 + 2 * 400 * 10))
     sig = ba.state.signals(now)
     assert sig.host_blocks == 10_000
     assert ba.room(sig, now) == 1000 - math.ceil(share * 800)
@@ -119,30 +121,34 @@ def test_a_host_tier_charges_admitted_contexts_their_engine_share():
         assert off.step(now).admitted == []
 
 
-def test_the_host_pool_bounds_the_admitted_contexts_whole():
-    """vLLM's host LRU holds every stored prompt: past its size the reads become recomputes,
-    so the admitted contexts together must fit it whatever the share."""
+def test_what_the_host_pool_cannot_hold_counts_whole():
+    """vLLM's host LRU holds every stored prompt up to its size: what of the admitted
+    contexts does not fit there would be recomputed if it left the GPU, so it counts whole;
+    a host tier, however small, never leaves less room than none."""
+    def room(host: int | None) -> int:
+        ba = BalanceAndAdmit(_cfg())
+        _start(ba, 0.0, total=1000, host=host)
+        for i in range(8):
+            _session(ba, f"old{i}", float(i), 100, busy=5.0, life=20.0)
+        for sid in ("a", "b"):  # 800 blocks admitted, a quarter of their time in the engine
+            _session(ba, sid, 30.0, 400, busy=2.5, life=0.0, end=False)
+        assert ba.engine_share_now(40.0) == pytest.approx(0.25)
+        return ba.room(ba.state.signals(40.0), 40.0)
+
+    assert room(10_000) == 1000 - 200  # all on host: a quarter of 800
+    assert room(500) == 1000 - 300  # 300 blocks beyond the host count whole
+    assert room(None) == 1000 - 800  # no host tier
+    assert room(1) == 1000 - 799
     ba = BalanceAndAdmit(_cfg())
-    _start(ba, 0.0, total=1000, host=900)
-    for i in range(8):
-        _session(ba, f"old{i}", float(i), 100, busy=5.0, life=20.0)
-    for sid in ("a", "b"):
-        _session(ba, sid, 30.0, 400, busy=2.5, life=0.0, end=False)
-    now = 40.0
-    share = ba.engine_share_now(now)
-    assert ba.room(ba.state.signals(now), now) == 1000 - math.ceil(share * 800)
-    ba.enqueue("c", now, est_blocks=101)  # the pool's room has it, the host (100 left) not
-    ba.enqueue("d", now, est_blocks=100)
-    assert ba.step(now).admitted == ["d"]
-    # an engine restarted without a host tier: every context counts whole again
-    _start(ba, 50.0, total=1000, host=None)
+    _start(ba, 0.0, total=1000, host=500)
+    _start(ba, 50.0, total=1000, host=None)  # restarted without one
     assert ba.state.signals(50.0).host_blocks is None
-    assert ba.room(ba.state.signals(50.0), 50.0) == 100
 
 
-def test_busy_time_spans_overlapping_calls_and_an_engine_restart():
+def test_engine_time_is_counted_by_blocks_and_ends_with_the_engine():
     """A session's engine time runs from its first call in to its last call out (a side
-    call beside the main one adds nothing), and an engine restart ends it."""
+    call beside the main one adds nothing), weighted by its context's blocks, and an engine
+    restart ends it."""
     ba = BalanceAndAdmit(_cfg())
     _start(ba, 0.0, total=1000, host=5000)
     ba.enqueue("s", 0.0, est_blocks=10)
@@ -150,18 +156,43 @@ def test_busy_time_spans_overlapping_calls_and_an_engine_restart():
     for rid, ts in (("m", 1.0), ("side", 2.0)):
         ba.observe(make_event("gpu_submit", ts=ts, session_id="s", request_id=rid, round=0,
                               prompt_tokens=160, projected_blocks=10))
-    for rid, ts in (("side", 3.0), ("m", 5.0)):
+    for rid, ts in (("side", 3.0), ("m", 5.0), ("unknown", 6.0)):
         ba.observe(make_event("gpu_end", ts=ts, session_id="s", request_id=rid,
                               prompt_tokens=160, output_tokens=1, reason="stop", duration_s=1))
     adm = ba._admitted["s"]
-    assert adm.busy_until(9.0) == pytest.approx(4.0) and adm.calls_ended == 2
+    assert adm.accounts(9.0, None) == pytest.approx((40.0, 90.0))
     ba.observe(make_event("gpu_submit", ts=10.0, session_id="s", request_id="n", round=1,
-                          prompt_tokens=160, projected_blocks=10))
-    assert adm.busy_until(11.0) == pytest.approx(5.0)
+                          prompt_tokens=320, projected_blocks=20))  # its context doubled
+    assert adm.accounts(11.0, None) == pytest.approx((60.0, 120.0))
     _start(ba, 12.0, total=1000, host=5000)  # the call is lost with the engine
-    assert adm.busy_until(20.0) == pytest.approx(6.0)
+    assert adm.accounts(20.0, None) == pytest.approx((80.0, 140.0 + 20 * 8))
     ba.release("s", 20.0)
     assert len(ba.engine_share) == 1
+
+
+def test_a_quiet_session_stops_counting_in_its_share():
+    """Past the longest recent gap between rounds a session is quiet: the room does not
+    count it, and neither does its share (a client that never ends its sessions would
+    otherwise drag the share towards zero until the idle reaper)."""
+    from mars.policy.control.admission import RoundGaps
+
+    ba = BalanceAndAdmit(_cfg())
+    ba.gaps = RoundGaps(min_samples=1)
+    ba.gaps.observe(5.0)
+    _start(ba, 0.0, total=1000, host=5000)
+    ba.enqueue("s", 0.0, est_blocks=10)
+    ba.step(0.0)
+    ba.observe(make_event("gpu_submit", ts=0.0, session_id="s", request_id="r", round=0,
+                          prompt_tokens=160, projected_blocks=10))
+    ba.observe(make_event("gpu_end", ts=1.0, session_id="s", request_id="r",
+                          prompt_tokens=160, output_tokens=1, reason="stop", duration_s=1))
+    adm = ba._admitted["s"]
+    assert adm.accounts(100.0, ba.gaps.longest()) == pytest.approx((10.0, 60.0))
+    # a sign of life at 50 (a tool call) counts from there, not back to its quiet start
+    ba.observe(make_event("tool_start", ts=50.0, session_id="s", tool="bash", call_id="c"))
+    assert adm.accounts(52.0, ba.gaps.longest()) == pytest.approx((10.0, 80.0))
+    ba.release("s", 300.0)  # reaped long after: its samples end where it went quiet again
+    assert ba.engine_share._ended[-1] == pytest.approx((10.0, 60.0 + 10 * 5.0))
 
 
 def test_host_tier_flag_is_checked():

@@ -33,7 +33,7 @@ def sidecar_config(admission: bool, tool_cores: int, block_size: int,
     served-only ones (upstream, engine events, API keys) equal to what ``mars sidecar``'s
     parser makes of the same flags."""
     raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (overrides or {}).items()}
-    raw.setdefault("packing", {}).setdefault("block_size", block_size)
+    raw["packing"] = {"block_size": block_size, **(raw.get("packing") or {})}
     return SidecarConfig(
         upstream="http://sim", admission=admission,
         admission_config=admission_config(raw, tool_cores=tool_cores))

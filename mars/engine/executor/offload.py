@@ -68,7 +68,10 @@ def host_tier_for(vllm_config, kv_cache_config, block_size: int,
     if ktc is None or ktc.kv_connector != SUPPORTED_CONNECTOR:
         return None
     extra_cfg = ktc.kv_connector_extra_config
-    capacity = float(extra_cfg.get("cpu_bytes_to_use") or 0)
+    # vLLM divides the host pool among the workers (each keeps its own shard of every block;
+    # kv_offload/cpu/spec.py), and this layout is one worker's
+    capacity = float(extra_cfg.get("cpu_bytes_to_use") or 0) / max(
+        1, vllm_config.parallel_config.world_size)
     # every token of a full-attention group comes back; of a sliding-window group, its window
     per_token = window = 0.0
     groups = [kv_cache_config.kv_cache_groups[g] for g in get_offloading_group_ids(

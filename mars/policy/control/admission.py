@@ -131,23 +131,31 @@ class AdmittedSession:
     calls: int = 0
     first_round: int | None = None
     last_round: int | None = None
-    #: seconds with a call in the engine so far (closed spans), when the open span began
-    #: (None: no call in the engine), and calls that ended: its engine share
-    #: (:class:`~mars.policy.control.residency.EngineShare`)
-    busy_s: float = 0.0
-    busy_since: float | None = None
-    calls_ended: int = 0
+    #: its engine share's accounts (:class:`~mars.policy.control.residency.EngineShare`),
+    #: up to ``acc_t``: block-seconds of its context while a call of its was in the engine,
+    #: and while it was admitted and not quiet
+    busy_bs: float = 0.0
+    life_bs: float = 0.0
+    acc_t: float | None = None
 
-    def busy_until(self, now: float) -> float:
-        """Seconds with a call in the engine up to ``now``."""
-        open_s = 0.0 if self.busy_since is None else max(0.0, now - self.busy_since)
-        return self.busy_s + open_s
+    def accounts(self, now: float, longest: float | None) -> tuple[float, float]:
+        """(busy, admitted) block-seconds up to ``now``; a pause counts until it has lasted
+        ``longest`` (the longest recent gap between rounds: past it the session is quiet and
+        the room does not count it either)."""
+        t0 = self.admitted_at if self.acc_t is None else self.acc_t
+        end = now
+        if longest is not None and self.idle_since is not None and not self.inflight:
+            end = min(end, max(t0, self.idle_since + longest))
+        amount = self.projected_blocks * max(0.0, end - t0)
+        return self.busy_bs + (amount if self.inflight else 0.0), self.life_bs + amount
 
-    def engine_idle(self, now: float | None) -> None:
-        """Its last call in the engine ended (or the engine lost it) at ``now``."""
-        if self.busy_since is not None and now is not None:
-            self.busy_s += max(0.0, now - self.busy_since)
-        self.busy_since = None
+    def account(self, now: float | None, longest: float | None) -> None:
+        """Bring the accounts to ``now``: called before its calls, its context or its
+        signs of life change."""
+        if now is None or not math.isfinite(now):
+            return
+        self.busy_bs, self.life_bs = self.accounts(now, longest)
+        self.acc_t = now if self.acc_t is None else max(self.acc_t, now)
 
     @property
     def rounds(self) -> int:
@@ -336,8 +344,8 @@ class BalanceAndAdmit:
         """The measured fraction of an admitted session's time with a call in the engine,
         over recent ended sessions and the admitted ones that have finished a call (1 until
         enough count; :class:`~mars.policy.control.residency.EngineShare`)."""
-        live = [(a.busy_until(now), now - a.admitted_at) for a in self._admitted.values()
-                if a.calls_ended]
+        longest = self.gaps.longest()
+        live = [a.accounts(now, longest) for a in self._admitted.values() if a.calls]
         return self.engine_share.share(live)
 
     def footprint(self, sig: PressureSignals, now: float) -> Projection | ResidentShare:
@@ -380,6 +388,7 @@ class BalanceAndAdmit:
         adm = self._admitted.get(session_id)
         if adm is None or not math.isfinite(now):
             return
+        adm.account(now, self.gaps.longest())
         if delta > 0:
             if adm.idle_since is not None and not adm.inflight and adm.forwarded == 0:
                 # its next round starts: the pause since its last sign of life is a gap
@@ -432,11 +441,12 @@ class BalanceAndAdmit:
         if event.get("kind") == "scheduler_start":
             # a (re)started engine: the calls the old one had will send no gpu_end
             t = _when(event, now)
+            longest = self.gaps.longest()
             for a in self._admitted.values():
                 if a.inflight:
+                    a.account(t, longest)
                     a.inflight.clear()
                     a.idle_since = t
-                    a.engine_idle(t)
         if event.get("session_id") is None:
             return ok
         kind, sid = event.get("kind"), str(event["session_id"])
@@ -450,9 +460,8 @@ class BalanceAndAdmit:
                     t = _when(event, now)
                     if t is not None:
                         self.gaps.observe(t - adm.idle_since)
+                adm.account(_when(event, now), self.gaps.longest())
                 adm.idle_since = None
-                if not adm.inflight:
-                    adm.busy_since = _when(event, now)
                 adm.latest_blocks = int(blocks)
                 adm.submitted(int(blocks), event.get("round"))
                 adm.inflight[str(event.get("request_id"))] = int(blocks)
@@ -460,16 +469,17 @@ class BalanceAndAdmit:
         elif kind in ("gpu_1st_token", "gpu_end", "preempt"):
             self._pending.pop(sid, None)
             if kind == "gpu_end" and adm is not None:
-                known = adm.inflight.pop(str(event.get("request_id")), None) is not None
-                if known:
-                    adm.calls_ended += 1
-                if known and not adm.inflight:  # (an unknown id ends no round of ours)
-                    adm.idle_since = _when(event, now)
-                    adm.engine_idle(adm.idle_since)
+                rid = str(event.get("request_id"))
+                if rid in adm.inflight:  # (an unknown id ends no round of ours)
+                    adm.account(_when(event, now), self.gaps.longest())
+                    del adm.inflight[rid]
+                    if not adm.inflight:
+                        adm.idle_since = _when(event, now)
         elif kind in _TOOL_LIFE and adm is not None:
             # (the pressure state keeps its open and queued calls)
             t = _when(event, now)
             if t is not None and adm.idle_since is not None:
+                adm.account(t, self.gaps.longest())
                 adm.idle_since = max(adm.idle_since, t)
         elif kind == "session_end":
             self.release(sid, _when(event, now))
@@ -551,8 +561,9 @@ class BalanceAndAdmit:
         if adm is not None and adm.first_blocks is not None:
             self.growth.observe(adm.rounds, adm.grown)
         self._tick(now)
-        if adm is not None and adm.calls_ended and self._now is not None:
-            self.engine_share.observe(adm.busy_until(self._now), self._now - adm.admitted_at)
+        t = now if now is not None and math.isfinite(now) else self._now
+        if adm is not None and adm.calls and t is not None:
+            self.engine_share.observe(*adm.accounts(t, self.gaps.longest()))
         was_queued = self._queue.pop(session_id, None) is not None
         return was_admitted or was_queued
 

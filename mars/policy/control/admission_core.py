@@ -218,7 +218,7 @@ class AdmissionCore:
             self.last_progress = now
         if self.sessions.get(s.id) is s:
             del self.sessions[s.id]
-        self.balance.release(s.id)
+        self.balance.release(s.id, now)
         self._out.ended(s, reason)
         self._out.emit(make_event("session_end", session_id=s.id, reason=reason, ts=now))
         return True
@@ -302,7 +302,7 @@ class AdmissionCore:
         for sid, queued_s, _blocks in res.admissions:
             s = self.sessions.get(sid)
             if s is None or s.ended:  # not ours any more: give the slot straight back
-                self.balance.release(sid)
+                self.balance.release(sid, now)
                 stale.add(sid)
                 continue
             s.admitted_at = now

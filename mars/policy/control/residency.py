@@ -13,27 +13,31 @@ sessions the pool had room for (held-out ``swe-long`` with offloading: the room 
 5-10 K of 18.8 K blocks free and nothing waiting in the engine, first rounds queued 91 s,
 docs/results.md).
 
-So with a host tier a session is charged its projected context times its *engine share*:
-the fraction of an admitted session's life during which it has a call in the engine
-(``gpu_submit`` to ``gpu_end``, so time a call waits in the engine's queue counts: a
-congested engine raises the share and the room shrinks with it, the loop the window closes
-on KV pressure and preemptions). Measured, never set (:class:`EngineShare`): the ratio of
-summed engine time to summed admitted time over recent ended sessions and the live ones
-that have finished a call (a live session's life so far samples the same ratio once it has paused at
-least once; counting only ended sessions would claim nothing for the first sessions' whole
-lives, the hour a long-session workload needs the room most). Until ``min_sessions`` sessions count, the share is
-1: the room as without a host tier.
+So with a host tier a session is charged its projected context times the *engine share*:
+the fraction of the admitted contexts' blocks that have a call in the engine, averaged
+over time -- per session, the block-seconds of its context while a call of its is in the
+engine (``gpu_submit`` to the ``gpu_end`` that leaves none; time a call waits in the
+engine's queue counts, so a congested engine raises the share) over the block-seconds it
+was admitted, not counting the time after it went quiet (it no longer counts in the room
+either). Weighted by blocks because what the pool must hold is the contexts in the engine,
+and large contexts spend longer there. Measured, never set (:class:`EngineShare`): a ratio
+of sums over recent ended sessions and every live one that has submitted a call (counting
+only ended sessions would claim nothing for the first sessions' whole lives, the hour a
+long-session workload needs the room most). Until ``min_sessions`` sessions count, the
+share is 1: the room as without a host tier. It moves slowly (a ratio over hundreds of
+sessions' lives); what reacts within seconds to what gets past it is the window's KV soft
+cap and its ``kv`` and ``preempt`` bands, as without a host tier. It is a mean where the
+pool must hold a peak (how many sessions are in the engine at once fluctuates): the same
+choice, and the same backstops, as the growth forecast's expected sum.
 
-The host pool bounds it too: vLLM's host LRU holds every stored prompt, so the admitted
-contexts together must fit there, whole, or the reads become recomputes again
-(:class:`ResidentShare` refuses a session that would take them past it). Pure; ``now`` is
-passed in.
+The host pool bounds it too: vLLM's host LRU holds every stored prompt, so what of the
+admitted contexts does not fit there is a recompute again if it leaves the GPU, and is
+charged whole (:class:`ResidentShare`). Pure; ``now`` is passed in.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections import deque
 from typing import TYPE_CHECKING, Iterable
 
@@ -44,25 +48,27 @@ if TYPE_CHECKING:
 
 
 class EngineShare:
-    """The measured fraction of an admitted session's time with a call in the engine.
+    """The measured fraction of the admitted contexts with a call in the engine: summed
+    busy over summed admitted amounts (block-seconds, as the admission measures them; any
+    unit works if both use it).
 
     ``max_sessions``: the window of recently ended sessions (the control plane's other
     windows' size, e.g. :class:`~mars.policy.control.growth.ContextGrowth`).
-    ``min_sessions``: sessions (ended, or live with a call finished) needed before it claims
-    less than 1 (as the growth forecast's: a ratio over 8 sessions)."""
+    ``min_sessions``: sessions (ended, or live with a call submitted) needed before it
+    claims less than 1 (as the growth forecast's: a ratio over 8 sessions)."""
 
     def __init__(self, max_sessions: int = 512, min_sessions: int = 8) -> None:
         if max_sessions < 1 or min_sessions < 1:
             raise ValueError("max_sessions and min_sessions must be >= 1")
         self.min_sessions = min_sessions
-        #: (engine seconds, admitted seconds) of each ended session
+        #: (busy, admitted) of each ended session
         self._ended: deque[tuple[float, float]] = deque(maxlen=max_sessions)
         self._sum_busy = 0.0
         self._sum_life = 0.0
 
     def observe(self, busy_s: float, life_s: float) -> None:
-        """A session ended after ``life_s`` seconds admitted, ``busy_s`` of them with a call
-        in the engine."""
+        """A session ended after ``life_s`` (block-)seconds admitted, ``busy_s`` of them
+        with a call in the engine."""
         if not (math.isfinite(busy_s) and math.isfinite(life_s)) or life_s <= 0 or busy_s < 0:
             return
         if len(self._ended) == self._ended.maxlen:
@@ -79,7 +85,8 @@ class EngineShare:
 
     def share(self, live: Iterable[tuple[float, float]] = ()) -> float:
         """The share over the ended sessions and ``live`` ones (``(busy so far, life so far)``
-        of each admitted session that has finished a call); 1 until ``min_sessions`` count."""
+        of each admitted session that has submitted a call); 1 until ``min_sessions``
+        count."""
         busy, life, n = self._sum_busy, self._sum_life, len(self._ended)
         for b, t in live:
             if t > 0 and math.isfinite(b) and math.isfinite(t):
@@ -92,16 +99,12 @@ class EngineShare:
 
 
 class ResidentShare(Footprint):
-    """A footprint whose every block counts ``share`` of a block: the admitted contexts
-    (``inner``, the growth projection) as the pool sees them when only the sessions with a
-    call in the engine need theirs resident. Charges are rounded up, so a session is never
-    charged less than the share of what it adds. A session that would take the projected
-    contexts past ``host_blocks`` (whole: the host holds every one) is charged
-    :data:`OVER`, more than any room: the packer then holds it for a pool with nothing
-    projected (its ``charge_cap``), as it does a forecast larger than the pool."""
-
-    #: the charge of a session the host pool cannot hold
-    OVER = sys.maxsize
+    """The admitted contexts (``inner``, the growth projection) as the pool must hold them
+    when only the sessions with a call in the engine need theirs resident: ``share`` of each
+    block, and at least what the host pool cannot hold (``whole - host_blocks``: a context
+    the host has no room for stays in GPU memory or is recomputed, as without a host tier).
+    Never more than the whole, so a host tier never admits less than none would. Charges are
+    rounded up."""
 
     __slots__ = ("_inner", "_share", "_host")
 
@@ -122,15 +125,18 @@ class ResidentShare(Footprint):
         """The projected contexts' peak, whole (what the host must hold)."""
         return self._inner.peak
 
+    def _resident(self, whole: int) -> int:
+        need = self._share * whole
+        if self._host is not None:
+            need = max(need, whole - self._host)
+        return math.ceil(need - 1e-9)
+
     @property
     def peak(self) -> int:
-        return math.ceil(self._share * self._inner.peak - 1e-9)
+        return self._resident(self._inner.peak)
 
     def rise(self, blocks: int) -> int:
-        whole = self._inner.peak + self._inner.rise(blocks)
-        if self._host is not None and whole > self._host:
-            return self.OVER
-        return math.ceil(self._share * whole - 1e-9) - self.peak
+        return self._resident(self._inner.peak + self._inner.rise(blocks)) - self.peak
 
     def add(self, blocks: int) -> int:
         before = self.peak
