@@ -112,6 +112,9 @@ class MarsSchedulerMixin:
             headroom_tokens=int(cfg.get("admit_headroom_tokens", spec.admit_headroom_tokens)),
             emit=self._mars_emit, counters=self.mars_counters,
             full_sequence_must_fit=bool(self.scheduler_reserve_full_isl))
+        #: vLLM offloads to host memory: a release is a read over the link, not a recompute
+        #: (for the rules that price it); the control plane is told its size
+        self._mars_host_tier = None
         if self.vllm_config.kv_transfer_config is not None:
             from mars.engine.executor.emulated_executor import emulated_host_link
             from mars.engine.executor.offload import host_reads, host_tier_for
@@ -120,15 +123,11 @@ class MarsSchedulerMixin:
             link = emulated_host_link(self.vllm_config)
             tier = host_tier_for(self.vllm_config, self.kv_cache_config, self.block_size,
                                  link.h2d_bytes_per_s if link is not None else None)
-            #: vLLM offloads to host memory: a release is a read over the link, not a
-            #: recompute (for the rules that price it)
             self._mars_host_tier = tier
             if tier is not None:
                 retention.attach_host_tier(tier)
             if self.connector is not None and self.mars_cosched.active:
                 self._mars_watch_loads()
-        else:
-            self._mars_host_tier = None
         self._mars_tick_s = float(cfg.get("tick_s", 0.05))
         self._mars_snapshot_s = float(cfg.get("snapshot_interval_s", 0.5))
         # admitted, no output token yet: watched at each step for ``gpu_1st_token``
