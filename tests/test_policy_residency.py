@@ -188,11 +188,16 @@ def test_a_quiet_session_stops_counting_in_its_share():
                           prompt_tokens=160, output_tokens=1, reason="stop", duration_s=1))
     adm = ba._admitted["s"]
     assert adm.accounts(100.0, ba.gaps.longest()) == pytest.approx((10.0, 60.0))
-    # a sign of life at 50 (a tool call) counts from there, not back to its quiet start
+    # a sign of life at 50 (a tool call) counts from there, not back to its quiet start, and
+    # a session in a tool is not quiet however long the tool runs
     ba.observe(make_event("tool_start", ts=50.0, session_id="s", tool="bash", call_id="c"))
-    assert adm.accounts(52.0, ba.gaps.longest()) == pytest.approx((10.0, 80.0))
-    ba.release("s", 300.0)  # reaped long after: its samples end where it went quiet again
-    assert ba.engine_share._ended[-1] == pytest.approx((10.0, 60.0 + 10 * 5.0))
+    assert adm.accounts(100.0, ba.gaps.longest(), ba._tools("s")) == pytest.approx(
+        (10.0, 60.0 + 10 * 50))
+    ba.observe(make_event("tool_end", ts=80.0, session_id="s", tool="bash", call_id="c",
+                          status="ok", duration_s=30.0))
+    assert adm.accounts(82.0, ba.gaps.longest()) == pytest.approx((10.0, 60.0 + 10 * 32))
+    ba.release("s", 300.0)  # reaped long after: its sample ends where it went quiet again
+    assert ba.engine_share._ended[-1] == pytest.approx((10.0, 60.0 + 10 * 35))
 
 
 def test_host_tier_flag_is_checked():

@@ -138,23 +138,26 @@ class AdmittedSession:
     life_bs: float = 0.0
     acc_t: float | None = None
 
-    def accounts(self, now: float, longest: float | None) -> tuple[float, float]:
-        """(busy, admitted) block-seconds up to ``now``; a pause counts until it has lasted
-        ``longest`` (the longest recent gap between rounds: past it the session is quiet and
-        the room does not count it either)."""
+    def accounts(self, now: float, longest: float | None,
+                 tools: int = 0) -> tuple[float, float]:
+        """(busy, admitted) block-seconds up to ``now``, ``tools`` of its tool calls open
+        or queued since the last account; a pause with nothing of it anywhere counts until
+        it has lasted ``longest`` (the longest recent gap between rounds: past it the
+        session is quiet, :meth:`quiet`, and the room does not count it either)."""
         t0 = self.admitted_at if self.acc_t is None else self.acc_t
         end = now
-        if longest is not None and self.idle_since is not None and not self.inflight:
+        if (longest is not None and self.idle_since is not None and not self.inflight
+                and self.forwarded == 0 and tools == 0):
             end = min(end, max(t0, self.idle_since + longest))
         amount = self.projected_blocks * max(0.0, end - t0)
         return self.busy_bs + (amount if self.inflight else 0.0), self.life_bs + amount
 
-    def account(self, now: float | None, longest: float | None) -> None:
-        """Bring the accounts to ``now``: called before its calls, its context or its
-        signs of life change."""
+    def account(self, now: float | None, longest: float | None, tools: int = 0) -> None:
+        """Bring the accounts to ``now``: called before its calls, its context, its tools
+        or its signs of life change (so each span has one state)."""
         if now is None or not math.isfinite(now):
             return
-        self.busy_bs, self.life_bs = self.accounts(now, longest)
+        self.busy_bs, self.life_bs = self.accounts(now, longest, tools)
         self.acc_t = now if self.acc_t is None else max(self.acc_t, now)
 
     @property
@@ -345,7 +348,8 @@ class BalanceAndAdmit:
         over recent ended sessions and the admitted ones that have finished a call (1 until
         enough count; :class:`~mars.policy.control.residency.EngineShare`)."""
         longest = self.gaps.longest()
-        live = [a.accounts(now, longest) for a in self._admitted.values() if a.calls]
+        live = [a.accounts(now, longest, self._tools(a.session_id))
+                for a in self._admitted.values() if a.calls]
         return self.engine_share.share(live)
 
     def footprint(self, sig: PressureSignals, now: float) -> Projection | ResidentShare:
@@ -388,7 +392,7 @@ class BalanceAndAdmit:
         adm = self._admitted.get(session_id)
         if adm is None or not math.isfinite(now):
             return
-        adm.account(now, self.gaps.longest())
+        adm.account(now, self.gaps.longest(), self._tools(session_id))
         if delta > 0:
             if adm.idle_since is not None and not adm.inflight and adm.forwarded == 0:
                 # its next round starts: the pause since its last sign of life is a gap
@@ -434,6 +438,9 @@ class BalanceAndAdmit:
         arrived on the caller's clock (the one :meth:`step` gets); default its ``ts``."""
         if not isinstance(event, Mapping) and hasattr(event, "model_dump"):
             event = event.model_dump()
+        # a session's tool calls as they were until this event (its accounts' last span)
+        tools = self._tools(str(event["session_id"])) if (
+            isinstance(event, Mapping) and event.get("session_id") is not None) else 0
         ok = self.state.observe(event)
         if not isinstance(event, Mapping):
             return ok
@@ -460,7 +467,7 @@ class BalanceAndAdmit:
                     t = _when(event, now)
                     if t is not None:
                         self.gaps.observe(t - adm.idle_since)
-                adm.account(_when(event, now), self.gaps.longest())
+                adm.account(_when(event, now), self.gaps.longest(), tools)
                 adm.idle_since = None
                 adm.latest_blocks = int(blocks)
                 adm.submitted(int(blocks), event.get("round"))
@@ -471,7 +478,7 @@ class BalanceAndAdmit:
             if kind == "gpu_end" and adm is not None:
                 rid = str(event.get("request_id"))
                 if rid in adm.inflight:  # (an unknown id ends no round of ours)
-                    adm.account(_when(event, now), self.gaps.longest())
+                    adm.account(_when(event, now), self.gaps.longest(), tools)
                     del adm.inflight[rid]
                     if not adm.inflight:
                         adm.idle_since = _when(event, now)
@@ -479,11 +486,17 @@ class BalanceAndAdmit:
             # (the pressure state keeps its open and queued calls)
             t = _when(event, now)
             if t is not None and adm.idle_since is not None:
-                adm.account(t, self.gaps.longest())
+                adm.account(t, self.gaps.longest(), tools)
                 adm.idle_since = max(adm.idle_since, t)
         elif kind == "session_end":
-            self.release(sid, _when(event, now))
+            self.release(sid, _when(event, now), _tools=tools)
         return ok
+
+    def _tools(self, session_id: str) -> int:
+        """Its tool calls open or queued for a core (a session between rounds in a tool is
+        not quiet)."""
+        st = self.state
+        return st.active_tools_of(session_id) + st.queued_tools_of(session_id)
 
     def _tick(self, t: float | None) -> None:
         if t is not None and math.isfinite(t):
@@ -551,10 +564,12 @@ class BalanceAndAdmit:
                                 footprint=projection, charge_cap=self._fill_blocks(sig))
         return bool(pack.sessions)
 
-    def release(self, session_id: str, now: float | None = None) -> bool:
+    def release(self, session_id: str, now: float | None = None, *,
+                _tools: int | None = None) -> bool:
         """A session ended (at ``now``, default the latest time seen): free its slot
         (idempotent). Also drops it from the queue."""
         self._pending.pop(session_id, None)
+        tools = self._tools(session_id) if _tools is None else _tools
         self.state.forget_session(session_id)
         adm = self._admitted.pop(session_id, None)
         was_admitted = adm is not None
@@ -563,7 +578,7 @@ class BalanceAndAdmit:
         self._tick(now)
         t = now if now is not None and math.isfinite(now) else self._now
         if adm is not None and adm.calls and t is not None:
-            self.engine_share.observe(*adm.accounts(t, self.gaps.longest()))
+            self.engine_share.observe(*adm.accounts(t, self.gaps.longest(), tools))
         was_queued = self._queue.pop(session_id, None) is not None
         return was_admitted or was_queued
 
