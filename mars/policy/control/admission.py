@@ -146,8 +146,7 @@ class AdmittedSession:
         session is quiet, :meth:`quiet`, and the room does not count it either)."""
         t0 = self.admitted_at if self.acc_t is None else self.acc_t
         end = now
-        if (longest is not None and self.idle_since is not None and not self.inflight
-                and self.forwarded == 0 and tools == 0):
+        if longest is not None and self.pausing(tools):
             end = min(end, max(t0, self.idle_since + longest))
         amount = self.projected_blocks * max(0.0, end - t0)
         return self.busy_bs + (amount if self.inflight else 0.0), self.life_bs + amount
@@ -186,12 +185,16 @@ class AdmittedSession:
         """Blocks its context has grown since its first prompt reached the engine."""
         return 0 if self.first_blocks is None else max(0, self.peak_blocks - self.first_blocks)
 
-    def quiet(self, now: float, longest: float, tools: int) -> bool:
+    def pausing(self, tools: int) -> bool:
         """Nothing of it in the engine, at the sidecar or at a core (``tools``: its tool
-        calls open or queued), and no sign of life for longer than ``longest`` (module
-        docstring)."""
+        calls open or queued): it is between rounds with no sign of life since
+        ``idle_since``."""
         return (self.idle_since is not None and not self.inflight and self.forwarded == 0
-                and tools == 0 and now - self.idle_since > longest)
+                and tools == 0)
+
+    def quiet(self, now: float, longest: float, tools: int) -> bool:
+        """Pausing (:meth:`pausing`) for longer than ``longest`` (module docstring)."""
+        return self.pausing(tools) and now - self.idle_since > longest
 
     @property
     def projected_blocks(self) -> int:
@@ -381,10 +384,8 @@ class BalanceAndAdmit:
         longest = self.gaps.longest()
         if longest is None or not math.isfinite(now):
             return []
-        st = self.state
         return [a.session_id for a in self._admitted.values()
-                if a.quiet(now, longest, st.active_tools_of(a.session_id)
-                           + st.queued_tools_of(a.session_id))]
+                if a.quiet(now, longest, self._tools(a.session_id))]
 
     def forwarded(self, session_id: str, delta: int, now: float) -> None:
         """The sidecar forwarded (+1) or saw finish (-1) a request of the session: until the

@@ -117,10 +117,6 @@ class ResidentShare(Footprint):
         self._host = host_blocks
 
     @property
-    def share(self) -> float:
-        return self._share
-
-    @property
     def whole_peak(self) -> int:
         """The projected contexts' peak, whole (what the host must hold)."""
         return self._inner.peak
