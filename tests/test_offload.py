@@ -104,7 +104,9 @@ def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for
     try:
         off = eng.offload
         assert off is not None
-        per_block = block_bytes_by_group(eng.core.scheduler.kv_cache_config)
+        sched = eng.core.scheduler
+        per_block = block_bytes_by_group(sched.kv_cache_config)
+        loading: list[tuple[int, int]] = []
         assert len(per_block) == 1  # Qwen3-Coder: one full-attention group
         rng = random.Random(0)
 
@@ -120,6 +122,8 @@ def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for
                         return clock() - t0, load_done, cached, t0
                 if off.link.in_flight_of(LOAD) and load_done is None:
                     load_done = off.link.last_done[LOAD]
+                    # the kv_snapshot's count: waiting on the link, not for compute
+                    loading.append((sched._mars_num_loading(), sched._mars_num_waiting()))
                 if eng.progress == before:
                     # only the link can help: the simulator's loop advances to its next end
                     wake = eng.wake_at()
@@ -143,6 +147,7 @@ def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for
         assert load_done is not None and added + warm >= load_done
         assert load_done - added >= st.bytes[LOAD] / off.link.link.h2d_bytes_per_s - 1e-9
         assert warm < cold  # a load beats the recompute
+        assert loading == [(1, 1)]
         ok, acc = eng.kv_balanced()
         assert ok, acc
     finally:

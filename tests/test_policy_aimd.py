@@ -378,6 +378,36 @@ def test_decrease_on_preemption_and_engine_queue():
     assert d2.mode == "decrease" and d2.compute_overloaded and not d2.kv_overloaded
 
 
+
+def test_calls_waiting_for_their_kv_from_the_host_tier_are_not_a_compute_queue():
+    """A call whose KV is still on the host link waits for the transfer, not for compute:
+    a burst of tool returns over a host tier (``mars sim``'s tool-heavy: 15 of the window's
+    cuts) was read as GPU-compute overload. Loads do not count in the engine-queue ratio; the
+    calls queued for compute beside them still do, and a producer's count above ``waiting``
+    is clipped to it."""
+    band = OverloadBand(1.0, 0.25, 2)
+    st = DualPressureState()
+    kv(st, 0.0, 0.5, running=2, waiting=5, loading=4)
+    sig = st.signals(0.0)
+    assert sig.engine_waiting == 5 and sig.engine_loading == 4
+    assert sig.engine_queue_ratio == pytest.approx(0.5)
+    ctl = WindowController(AIMDConfig(initial_window=8, engine_queue=band))
+    for t in (0.0, 1.0, 2.0, 3.0):
+        kv(st, t, 0.5, running=2, waiting=5, loading=4)
+        d = ctl.update(st, in_use=8, now=t)
+        assert not d.compute_overloaded and d.mode != "decrease", d.reason
+    # the same queue with the loads landed and the calls still waiting: compute overload
+    ctl = WindowController(AIMDConfig(initial_window=8, engine_queue=band))
+    for t in (0.0, 2.0):
+        kv(st, 10.0 + t, 0.5, running=2, waiting=5, loading=0)
+        d = ctl.update(st, in_use=8, now=10.0 + t)
+    assert d.compute_overloaded and d.mode == "decrease"
+    kv(st, 20.0, 0.5, running=2, waiting=1, loading=3)
+    assert st.signals(20.0).engine_loading == 1
+    assert st.signals(20.0).engine_queue_ratio == 0.0
+    kv(st, 21.0, 0.5, running=2, waiting=1, loading=-1)  # malformed: dropped, counted
+    assert st.ignored_events == 1 and st.signals(21.0).engine_loading == 1
+
 def test_decrease_takes_operating_point_not_unused_window():
     ctl = WindowController(AIMDConfig(initial_window=20, backoff_ratio=0.75))
     st = DualPressureState()

@@ -137,6 +137,9 @@ class KvSnapshot(_Base):
     pinned_blocks: int = Field(ge=0, default=0)
     running: int = Field(ge=0, default=0)
     waiting: int = Field(ge=0, default=0)
+    #: of ``waiting``, the requests whose KV is being loaded from another tier (host
+    #: memory): they wait for the link, not for compute
+    loading: int = Field(ge=0, default=0)
     #: admit decisions per rule of the retention policy so far (e.g. Continuum-Dy's
     #: cold_start / dynamic); absent for rules with one rule
     retention_decisions: dict[str, int] | None = None

@@ -475,6 +475,9 @@ class Sidecar:
             "engine_requests": ("Engine requests (latest snapshot)",
                                 {("running",): s["engine_running"],
                                  ("waiting",): s["engine_waiting"]}, ("state",)),
+            "engine_requests_loading": ("Of the waiting engine requests, those whose KV is "
+                                        "being loaded from the host tier",
+                                        s["engine_loading"]),
             "preemptions_recent": ("Engine preemptions in the trailing window", s["preemptions"]),
             "upstream_up": ("1 if the last upstream contact succeeded", None if up is None else int(up)),
             "sse_subscribers": ("Open event-stream subscriptions", self.hub.subscribers),

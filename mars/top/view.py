@@ -56,8 +56,11 @@ def header(m: TopModel, url: str) -> Table:
     kv.append(f"  used {used}  pinned {pinned}  free {_num(sig.get('free_blocks'))}"
               f" of {total} blocks")
     g.add_row("KV", kv)
+    loading = sig.get("engine_loading")
     g.add_row("engine", f"running {_num(sig.get('engine_running'))}  waiting "
-                        f"{_num(sig.get('engine_waiting'))}  preemptions (recent) "
+                        f"{_num(sig.get('engine_waiting'))}"
+                        + (f" (loading from host {loading})" if loading else "")
+                        + f"  preemptions (recent) "
                         f"{_num(sig.get('preemptions'))}")
     cores = sig.get("tool_cores")
     g.add_row("tools", f"running {_num(sig.get('active_tools'))} on "

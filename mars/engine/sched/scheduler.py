@@ -206,6 +206,14 @@ class MarsSchedulerMixin:
     def _mars_num_waiting(self) -> int:
         return self.get_request_counts()[1]
 
+    def _mars_num_loading(self) -> int:
+        """Waiting requests whose KV is on its way from another tier (vLLM's
+        ``WAITING_FOR_REMOTE_KVS``: a load from host memory under ``--kv-offloading-size``).
+        They wait for the link, not for compute; vLLM keeps them, holding their blocks, in
+        ``kv_holding_waiting``."""
+        return sum(1 for r in self.kv_holding_waiting
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+
     def _mars_snapshot(self, now: float, idle: bool = False) -> None:
         """``idle``: the last request was just freed (vLLM drops it from ``running`` only
         after the step's bookkeeping, so the lists may still hold it)."""
@@ -220,6 +228,7 @@ class MarsSchedulerMixin:
             pinned_blocks=self.mars_cosched.pins.pinned_blocks,
             running=0 if idle else len(self.running),
             waiting=0 if idle else self._mars_num_waiting(),
+            loading=0 if idle else self._mars_num_loading(),
             retention_decisions=self.mars_cosched.retention.decision_counts() or None,
             **({"emulated": emu.as_dict()} if emu is not None else {}),
         ))

@@ -365,6 +365,7 @@ class AdmissionCore:
                 "free_blocks": sig.free_blocks, "used_blocks": sig.used_blocks,
                 "pinned_blocks": sig.pinned_blocks, "kv_utilisation": sig.kv_utilisation,
                 "engine_running": sig.engine_running, "engine_waiting": sig.engine_waiting,
+                "engine_loading": sig.engine_loading,
                 "preemptions": sig.preemptions, "launch_delay_ema_s": sig.launch_delay_ema,
                 "llm_duration_ema_s": sig.llm_duration_ema, "block_size": sig.block_size,
             },

@@ -133,7 +133,11 @@ class PressureSignals:
     # --- GPU plane: compute ------------------------------------------------------------
     engine_running: int | None
     engine_waiting: int | None
-    #: waiting / max(1, running): calls the engine holds but cannot batch.
+    #: of ``engine_waiting``, the calls whose KV is being loaded from the host tier
+    engine_loading: int | None
+    #: (waiting - loading) / max(1, running): calls the engine holds but cannot batch. A
+    #: call whose KV is still on the link waits for the transfer, not for compute: counted,
+    #: a burst of loads (tool returns over a host tier) read as GPU-compute overload.
     engine_queue_ratio: float | None
     preemptions: int
     launch_delay_ema: float | None
@@ -247,9 +251,10 @@ class DualPressureState:
     def _on_kv_snapshot(self, ev: Any, ts: float) -> None:
         snap = {k: int(_get(ev, k, 0) or 0) for k in
                 ("total_blocks", "free_blocks", "used_blocks", "pinned_blocks",
-                 "running", "waiting")}
+                 "running", "waiting", "loading")}
         if min(snap.values()) < 0:
             raise ValueError("negative count in kv_snapshot")
+        snap["loading"] = min(snap["loading"], snap["waiting"])
         # Out-of-order delivery: keep the newest snapshot.
         if self._kv_ts is not None and ts < self._kv_ts:
             return
@@ -470,6 +475,7 @@ class DualPressureState:
                            + math.floor(c.pinned_reclaimable * kv["pinned_blocks"]))
         running = kv["running"] if kv is not None else None
         waiting = kv["waiting"] if kv is not None else None
+        loading = kv["loading"] if kv is not None else None
         active = self.active_tools
         return PressureSignals(
             now=now,
@@ -482,7 +488,8 @@ class DualPressureState:
             block_size=self.block_size,
             engine_running=running,
             engine_waiting=waiting,
-            engine_queue_ratio=(None if kv is None else waiting / max(1, running)),
+            engine_loading=loading,
+            engine_queue_ratio=(None if kv is None else (waiting - loading) / max(1, running)),
             preemptions=len(self._preempt_ts),
             launch_delay_ema=self.launch_delay.value,
             llm_duration_ema=self.llm_duration.value,
