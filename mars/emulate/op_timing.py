@@ -52,7 +52,6 @@ from mars.emulate.op_grid import (
     FA3_SPEEDUP,
     FORMAT,
     LAYER,
-    MAX_COPIES,
     MAX_EXPANDED_KV_BYTES,
     OpGrid,
     OpTiming,
@@ -110,7 +109,7 @@ class OpTimer:
     def _copies(self, bytes_each: int) -> int:
         """Copies of an operand to rotate over so the set exceeds the cache several times."""
         need = math.ceil(CACHE_MULTIPLE * self.cache_bytes / max(1, bytes_each))
-        return max(1, min(MAX_COPIES, need))
+        return max(1, min(self.grid.max_copies, need))
 
     def _time(self, fn: Callable[[int], Any], copies: int = 1) -> float:
         """Seconds per call; the timed calls walk through all ``copies`` of the operands
