@@ -89,6 +89,31 @@ def test_offloading_without_a_gpu_is_refused_on_this_machine():
         engine_args_for(None, "mars", ["--kv-offloading-size", "4"])
 
 
+def test_a_landed_load_counts_as_waiting_for_compute_until_vllm_promotes_it():
+    """vLLM notes a finished load in ``finished_recving_kv_req_ids`` and changes the
+    request's status only when its scan of the waiting queues reaches it, which a step whose
+    budget the running calls take never does: such a request waits for compute, and the
+    ``loading`` count of the engine's snapshot must not hide it from the engine-queue signal."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from mars.engine.sched.scheduler import MarsScheduler
+
+    def req(rid: str, status) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, status=status)
+
+    sched = SimpleNamespace(
+        kv_holding_waiting=[req("on-link", RequestStatus.WAITING_FOR_REMOTE_KVS),
+                            req("landed", RequestStatus.WAITING_FOR_REMOTE_KVS),
+                            req("preempted", RequestStatus.PREEMPTED)],
+        finished_recving_kv_req_ids={"landed"})
+    assert MarsScheduler._mars_num_loading(sched) == 1
+    sched.finished_recving_kv_req_ids = set()
+    assert MarsScheduler._mars_num_loading(sched) == 2
+
+
 # ------------------------------------------------------------------ the real engine
 @pytest.mark.engine
 def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for_the_link():
@@ -97,10 +122,13 @@ def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for
     from mars.engine.harness.sim_engine import SimEngine
 
     clock = VirtualClock(1000.0)
-    # a pool of 600 blocks (9,600 tokens): three 4,000-token calls evict the first prompt
-    eng = SimEngine("h100:qwen3-coder-30b-a3b", "fcfs", clock=clock, sink=lambda ev: None,
+    # a pool of 600 blocks (9,600 tokens): three 4,000-token calls evict the first prompt;
+    # a kv_snapshot at every step, so one is taken while the load is on the link
+    events: list[dict] = []
+    eng = SimEngine("h100:qwen3-coder-30b-a3b", "fcfs", clock=clock, sink=events.append,
                     extra_args=["--kv-offloading-size", "4", "--num-gpu-blocks-override",
-                                "600", "--max-model-len", "8192"])
+                                "600", "--max-model-len", "8192",
+                                "--mars-snapshot-interval", "0"])
     try:
         off = eng.offload
         assert off is not None
@@ -148,6 +176,17 @@ def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for
         assert load_done - added >= st.bytes[LOAD] / off.link.link.h2d_bytes_per_s - 1e-9
         assert warm < cold  # a load beats the recompute
         assert loading == [(1, 1)]
+        # ... and the engine's snapshot says so, which the control plane reads as a call
+        # waiting for the link, not for compute
+        from mars.policy.control.pressure import DualPressureState
+
+        snaps = [e for e in events if e["kind"] == "kv_snapshot" and e.get("loading")]
+        assert snaps and all(e["loading"] == 1 and e["waiting"] >= 1 for e in snaps), snaps
+        st = DualPressureState()
+        st.observe(snaps[0])
+        sig = st.signals(snaps[0]["ts"])
+        assert sig.engine_loading == 1
+        assert sig.engine_queue_ratio == (snaps[0]["waiting"] - 1) / max(1, snaps[0]["running"])
         ok, acc = eng.kv_balanced()
         assert ok, acc
     finally:

@@ -210,9 +210,14 @@ class MarsSchedulerMixin:
         """Waiting requests whose KV is on its way from another tier (vLLM's
         ``WAITING_FOR_REMOTE_KVS``: a load from host memory under ``--kv-offloading-size``).
         They wait for the link, not for compute; vLLM keeps them, holding their blocks, in
-        ``kv_holding_waiting``."""
+        ``kv_holding_waiting``. A load that has landed is not one: vLLM notes it in
+        ``finished_recving_kv_req_ids`` and changes the status only when its scan of the
+        waiting queues reaches the request, which a step whose budget the running calls
+        take never does -- the request then waits for compute, under the old status."""
+        landed = self.finished_recving_kv_req_ids
         return sum(1 for r in self.kv_holding_waiting
-                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                   and r.request_id not in landed)
 
     def _mars_snapshot(self, now: float, idle: bool = False) -> None:
         """``idle``: the last request was just freed (vLLM drops it from ``running`` only

@@ -124,7 +124,8 @@ class AIMDConfig:
     kv: OverloadBand = field(default_factory=lambda: OverloadBand(0.95, 0.85, 0.0))
     #: Preemptions within PressureConfig.preempt_window_s (any preemption is KV thrashing).
     preempt: OverloadBand = field(default_factory=lambda: OverloadBand(1, 0, 0.0))
-    #: Engine waiting/running ratio (GPU compute); a request waiting one step is not overload.
+    #: Engine (waiting - loading)/running ratio (GPU compute; a call whose KV is still on the
+    #: host link waits for the link); a request waiting one step is not overload.
     engine_queue: OverloadBand = field(default_factory=lambda: OverloadBand(1.0, 0.25, 2.0))
     #: CPU load (active tools / tool cores); persistent contention only (paper §4.1).
     cpu: OverloadBand = field(default_factory=lambda: OverloadBand(1.25, 0.9, 5.0))
