@@ -114,6 +114,45 @@ def test_a_landed_load_counts_as_waiting_for_compute_until_vllm_promotes_it():
     assert MarsScheduler._mars_num_loading(sched) == 2
 
 
+def test_a_running_prefill_yields_to_a_better_round_whose_context_came_back_from_host():
+    """vLLM keeps a call whose blocks were loaded back from host memory in a queue of its own
+    (``kv_holding_waiting``) and admits it before any other waiting call. MARS's chunk
+    shrinking made a long running prefill yield only to better-ranked calls of ``waiting``:
+    a returning short round of a better session sat behind it. The admissible calls are now
+    taken in vLLM's order, held ones first, and a prefill keeps the budget the better ones do
+    not need -- including what a worse held call ahead of them takes."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from mars.engine.sched.coordinator import Coordinator
+
+    def call(key: tuple) -> SimpleNamespace:
+        return SimpleNamespace(key=key, cached_tokens=0)
+
+    def req(rid: str, tokens: int) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, num_tokens=tokens, num_computed_tokens=0)
+
+    calls = {"long": call((5,)), "back": call((1,)), "worse-back": call((9,)),
+             "short": call((3,))}
+    levels = {"long": 3, "back": 0, "worse-back": 4, "short": 1}
+    policy = SimpleNamespace(reorders=True, level_of=levels.get)
+    co = Coordinator(policy, calls, block_size=16, token_budget=512, max_running=32,
+                     free_blocks=lambda: 1000, prefill_yield=True)
+    long = req("long", 10_000)
+
+    co.sort([long], [req("short", 100)])  # nothing held: as before
+    assert co.yield_tokens(long, 0, 512) == 512 - 100
+    co.sort([long], [req("short", 100)], [req("back", 40)])
+    assert co.yield_tokens(long, 0, 512) == 512 - 40 - 100
+    # a held call ranked below the prefill still comes first in vLLM's order: reaching the
+    # better waiting call takes its tokens too; and a prefill ranked above all keeps all
+    co.sort([long], [req("short", 100)], [req("worse-back", 60)])
+    assert co.yield_tokens(long, 0, 512) == 512 - 60 - 100
+    best = req("back", 10_000)
+    co.sort([best], [req("short", 100)], [req("worse-back", 60)])
+    assert co.yield_tokens(best, 0, 512) == 512
+
+
 # ------------------------------------------------------------------ the real engine
 @pytest.mark.engine
 def test_an_evicted_prefix_comes_back_from_host_memory_and_its_request_waits_for_the_link():

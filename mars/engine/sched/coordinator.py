@@ -38,7 +38,8 @@ Mechanism only: what a key is comes from :class:`mars.policy.engine.base.Orderin
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import chain
 
 from vllm.v1.request import Request
 
@@ -115,8 +116,10 @@ class Coordinator:
         return self.policy.level_of(request_id)
 
     # ------------------------------------------------------------------ keys
-    def refresh(self, running: list[Request], waiting, now: float) -> None:
-        """Charge the service seen since the last tick and re-key calls whose key may move."""
+    def refresh(self, running: list[Request], waiting, now: float,
+                held: Sequence[Request] = ()) -> None:
+        """Charge the service seen since the last tick and re-key calls whose key may move
+        (``held``: the waiting calls that hold their blocks, see :meth:`sort`)."""
         if not self.active:
             return
         policy = self.policy
@@ -143,7 +146,7 @@ class Coordinator:
                 c.key = key(c, now)
             c.horizon, c.until = horizon(c, now)
             changed = changed or c.key != old
-        for r in waiting:
+        for r in chain(held, waiting):
             c = calls[r.request_id]
             if now >= c.until:
                 old = c.key
@@ -155,8 +158,13 @@ class Coordinator:
             self._running_dirty = True
 
     # ------------------------------------------------------------------ order
-    def sort(self, running: list[Request], waiting) -> None:
-        """Once per step, before vLLM's loop: the order it will serve and preempt by."""
+    def sort(self, running: list[Request], waiting, held: Sequence[Request] = ()) -> None:
+        """Once per step, before vLLM's loop: the order it will serve and preempt by.
+
+        ``held``: the waiting calls that hold their blocks and that vLLM admits before any
+        of ``waiting``, in its order (a round whose context was loaded back from the host
+        tier). vLLM keeps them in a queue of their own; left out, a running long prefill
+        never yielded to a returning short round of a better-ranked session."""
         self._decode_scanned = False  # the best running decode is looked up again this step
         self._bounded_step = None
         if not self.active:
@@ -174,7 +182,7 @@ class Coordinator:
             self._running_dirty = False
         self._sorted_tail = running[-1] if running else None
         if self.prefill_yield:
-            self._admissible_prefix(running, waiting)
+            self._admissible_prefix(running, waiting, held)
 
     def _insert_new(self, running: list, keyf) -> bool:
         """vLLM appends the calls it admitted after the running ones (and removes finished
@@ -194,15 +202,22 @@ class Coordinator:
             insort(running, r, key=keyf)
         return True
 
-    def _admissible_prefix(self, running: list, waiting) -> None:
+    def _admissible_prefix(self, running: list, waiting, held: Sequence[Request] = ()) -> None:
         """Keys and cumulative token demand of the waiting calls vLLM could admit this step
-        (they fit in the free blocks and the sequence slots). Running prefills yield only to
-        these: yielding to a call that cannot be admitted anyway would waste the budget. A
-        call's demand is its uncached work, capped at the step budget (a long continuation
-        takes a budget-sized chunk, not its whole prompt, in one step)."""
+        (they fit in the free blocks and the sequence slots), in the order it admits them
+        (``held`` first, then ``waiting``). Running prefills yield only to these: yielding to
+        a call that cannot be admitted anyway would waste the budget. A call's demand is its
+        uncached work, capped at the step budget (a long continuation takes a budget-sized
+        chunk, not its whole prompt, in one step). Kept as keys sorted ascending, each with
+        the budget vLLM must reach to admit every call ranked at or above it: the cumulative
+        demand along the admission order, at most to the last such call (with ``held``
+        empty, ``waiting`` is sorted already and that is the plain prefix sum)."""
         wkeys: list[tuple] = []
         demand: list[int] = []
         self._wtop_level = None
+        if held:
+            self._admissible_in_order(running, waiting, held)
+            return
         if waiting:
             budget = self._budget
             slots = self._max_running - len(running)
@@ -224,6 +239,37 @@ class Coordinator:
                 wkeys.append(c.key)
                 demand.append(acc)
                 slots -= 1
+        self._wkeys, self._wdemand = wkeys, demand
+
+    def _admissible_in_order(self, running: list, waiting, held: Sequence[Request]) -> None:
+        """:meth:`_admissible_prefix` when vLLM admits ``held`` (unsorted) first."""
+        budget = self._budget
+        slots = self._max_running - len(running)
+        free = self._free_blocks()
+        bs = self._bs
+        acc = blocks = 0
+        calls = self._calls
+        order: list[tuple[tuple, int, str]] = []
+        for r in chain(held, waiting):
+            if slots <= 0 or acc >= budget:
+                break
+            c = calls[r.request_id]
+            need = r.num_tokens - max(r.num_computed_tokens, c.cached_tokens)
+            blocks += -(-need // bs)
+            if blocks > free:
+                break
+            acc += min(need, budget)
+            order.append((c.key, acc, r.request_id))
+            slots -= 1
+        order.sort(key=lambda e: e[0])
+        wkeys: list[tuple] = []
+        demand: list[int] = []
+        reach = 0
+        for key, cum, _ in order:
+            reach = max(reach, cum)
+            wkeys.append(key)
+            demand.append(reach)
+        self._wtop_level = self.policy.level_of(order[0][2]) if order else None
         self._wkeys, self._wdemand = wkeys, demand
 
     def yield_tokens(self, request: Request, computed: int, n: int) -> int:

@@ -219,6 +219,17 @@ class MarsSchedulerMixin:
                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
                    and r.request_id not in landed)
 
+    def _mars_held_ready(self) -> list[Request]:
+        """The calls of vLLM's ``kv_holding_waiting`` that this step's scan can admit, in its
+        order: a call whose context came back from the host tier waits there, holding its
+        blocks, and vLLM admits those before any of ``waiting``. Left out: loads still on
+        the link and the other blocked states (structured-output grammar, streaming input)."""
+        landed = self.finished_recving_kv_req_ids
+        blocked = self._is_blocked_waiting_status
+        return [r for r in self.kv_holding_waiting
+                if not blocked(r.status) or (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                                             and r.request_id in landed)]
+
     def _mars_snapshot(self, now: float, idle: bool = False) -> None:
         """``idle``: the last request was just freed (vLLM drops it from ``running`` only
         after the step's bookkeeping, so the lists may still hold it)."""
@@ -288,13 +299,14 @@ class MarsSchedulerMixin:
             self._mars_first_tokens(now)
         cosched = self.mars_cosched
         coord = self.mars_coord
+        held = self._mars_held_ready() if self.kv_holding_waiting else ()
         if now >= self._mars_next_tick:
             self._mars_next_tick = now + self._mars_tick_s
-            coord.refresh(self.running, self.waiting, now)
+            coord.refresh(self.running, self.waiting, now, held)
             if cosched.pin_on:
                 cosched.refresh_demand(self.waiting, self.mars_calls)
                 cosched.judge(now, len(self.running), len(self.waiting))
-        coord.sort(self.running, self.waiting)
+        coord.sort(self.running, self.waiting, held)
         # whether this step's allocations cannot run out of blocks whatever they are (every
         # running call takes at most a couple of blocks, plus the whole token budget as
         # prefill): then no decode can need a pin reclaimed, and decodes skip the hook
