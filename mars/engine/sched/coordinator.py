@@ -212,20 +212,15 @@ class Coordinator:
         the budget vLLM must reach to admit every call ranked at or above it: the cumulative
         demand along the admission order, at most to the last such call (with ``held``
         empty, ``waiting`` is sorted already and that is the plain prefix sum)."""
-        wkeys: list[tuple] = []
-        demand: list[int] = []
-        self._wtop_level = None
-        if held:
-            self._admissible_in_order(running, waiting, held)
-            return
-        if waiting:
+        order: list[tuple[tuple, int, str]] = []
+        if held or waiting:
             budget = self._budget
             slots = self._max_running - len(running)
             free = self._free_blocks()
             bs = self._bs
             acc = blocks = 0
             calls = self._calls
-            for r in waiting:
+            for r in chain(held, waiting):
                 if slots <= 0 or acc >= budget:
                     break
                 c = calls[r.request_id]
@@ -234,34 +229,10 @@ class Coordinator:
                 if blocks > free:
                     break
                 acc += min(need, budget)
-                if not wkeys:
-                    self._wtop_level = self.policy.level_of(r.request_id)
-                wkeys.append(c.key)
-                demand.append(acc)
+                order.append((c.key, acc, r.request_id))
                 slots -= 1
-        self._wkeys, self._wdemand = wkeys, demand
-
-    def _admissible_in_order(self, running: list, waiting, held: Sequence[Request]) -> None:
-        """:meth:`_admissible_prefix` when vLLM admits ``held`` (unsorted) first."""
-        budget = self._budget
-        slots = self._max_running - len(running)
-        free = self._free_blocks()
-        bs = self._bs
-        acc = blocks = 0
-        calls = self._calls
-        order: list[tuple[tuple, int, str]] = []
-        for r in chain(held, waiting):
-            if slots <= 0 or acc >= budget:
-                break
-            c = calls[r.request_id]
-            need = r.num_tokens - max(r.num_computed_tokens, c.cached_tokens)
-            blocks += -(-need // bs)
-            if blocks > free:
-                break
-            acc += min(need, budget)
-            order.append((c.key, acc, r.request_id))
-            slots -= 1
-        order.sort(key=lambda e: e[0])
+        if held:
+            order.sort(key=lambda e: e[0])  # (stable; ``waiting`` alone is sorted already)
         wkeys: list[tuple] = []
         demand: list[int] = []
         reach = 0
