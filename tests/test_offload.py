@@ -109,6 +109,7 @@ def test_a_landed_load_counts_as_waiting_for_compute_until_vllm_promotes_it():
                             req("landed", RequestStatus.WAITING_FOR_REMOTE_KVS),
                             req("preempted", RequestStatus.PREEMPTED)],
         finished_recving_kv_req_ids={"landed"})
+    sched._mars_on_link = lambda r: MarsScheduler._mars_on_link(sched, r)
     assert MarsScheduler._mars_num_loading(sched) == 1
     sched.finished_recving_kv_req_ids = set()
     assert MarsScheduler._mars_num_loading(sched) == 2

@@ -206,29 +206,29 @@ class MarsSchedulerMixin:
     def _mars_num_waiting(self) -> int:
         return self.get_request_counts()[1]
 
+    def _mars_on_link(self, r: Request) -> bool:
+        """Whether ``r``'s KV is still on its way from another tier (vLLM's
+        ``WAITING_FOR_REMOTE_KVS``: a load from host memory under ``--kv-offloading-size``);
+        such calls wait, holding their blocks, in ``kv_holding_waiting``. A load that has
+        landed is not: vLLM notes it in ``finished_recving_kv_req_ids`` and changes the status
+        only when its scan of the waiting queues reaches the request, which a step whose
+        budget the running calls take never does -- the call then waits for compute, under
+        the old status."""
+        return (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and r.request_id not in self.finished_recving_kv_req_ids)
+
     def _mars_num_loading(self) -> int:
-        """Waiting requests whose KV is on its way from another tier (vLLM's
-        ``WAITING_FOR_REMOTE_KVS``: a load from host memory under ``--kv-offloading-size``).
-        They wait for the link, not for compute; vLLM keeps them, holding their blocks, in
-        ``kv_holding_waiting``. A load that has landed is not one: vLLM notes it in
-        ``finished_recving_kv_req_ids`` and changes the status only when its scan of the
-        waiting queues reaches the request, which a step whose budget the running calls
-        take never does -- the request then waits for compute, under the old status."""
-        landed = self.finished_recving_kv_req_ids
-        return sum(1 for r in self.kv_holding_waiting
-                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                   and r.request_id not in landed)
+        """Waiting calls that wait for the link, not for compute."""
+        return sum(1 for r in self.kv_holding_waiting if self._mars_on_link(r))
 
     def _mars_held_ready(self) -> list[Request]:
         """The calls of vLLM's ``kv_holding_waiting`` that this step's scan can admit, in its
-        order: a call whose context came back from the host tier waits there, holding its
-        blocks, and vLLM admits those before any of ``waiting``. Left out: loads still on
-        the link and the other blocked states (structured-output grammar, streaming input)."""
-        landed = self.finished_recving_kv_req_ids
+        order (vLLM admits those before any of ``waiting``): not on the link, and not in
+        another blocked state (structured-output grammar, streaming input)."""
+        remote = RequestStatus.WAITING_FOR_REMOTE_KVS
         blocked = self._is_blocked_waiting_status
-        return [r for r in self.kv_holding_waiting
-                if not blocked(r.status) or (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                                             and r.request_id in landed)]
+        return [r for r in self.kv_holding_waiting if not self._mars_on_link(r)
+                and (r.status == remote or not blocked(r.status))]
 
     def _mars_snapshot(self, now: float, idle: bool = False) -> None:
         """``idle``: the last request was just freed (vLLM drops it from ``running`` only
@@ -299,7 +299,7 @@ class MarsSchedulerMixin:
             self._mars_first_tokens(now)
         cosched = self.mars_cosched
         coord = self.mars_coord
-        held = self._mars_held_ready() if self.kv_holding_waiting else ()
+        held = self._mars_held_ready() if self.kv_holding_waiting and coord.active else ()
         if now >= self._mars_next_tick:
             self._mars_next_tick = now + self._mars_tick_s
             coord.refresh(self.running, self.waiting, now, held)
