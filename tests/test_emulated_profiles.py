@@ -164,3 +164,19 @@ def test_bad_profiles_are_refused_by_serve_and_sim(tmp_path):
                         str(tmp_path / "missing.json")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "cannot read device profile" in r.stderr, r.stderr[-2000:]
+
+
+def test_flags_that_would_resize_a_profiles_pool_are_refused(tmp_path):
+    """A device profile fixes the KV pool it was measured with: ``serve --emulate PROFILE``
+    refuses the flags that would size or shape it otherwise (any profile file, a calibrated
+    one as this one)."""
+    from tests.test_calibrate_unit import _profile
+
+    profile = tmp_path / "dev.json"
+    _profile().write(profile)
+    for flag in (["--gpu-memory-utilization", "0.5"], ["--kv-cache-dtype", "fp8"]):
+        r = subprocess.run([sys.executable, "-m", "mars.engine.serve.cli", "serve",
+                            "--emulate", str(profile), *flag], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode != 0 and "does not apply to a device profile" in r.stderr, \
+            r.stderr[-2000:]

@@ -167,11 +167,16 @@ def test_sim_matches_the_paced_emulation(tmp_path):
     HTTP, the real sidecar, ``mars replay --virtual-tool-cores``) and in ``mars sim`` gives
     the same task latencies within 10 % (mean and P90). What the simulator leaves out --
     HTTP, the API server, the detokenizer, ~10-20 ms per round on this machine -- must stay
-    small against what it keeps."""
+    small against what it keeps.
+
+    The served run is also fcfs's paper-scale replay on the emulated GPU (mars's is
+    tests/test_emulated.py): prompts past 10 K tokens, every round's tokens as planned, the
+    emulated executor pacing every step."""
     from mars.launch import ServerProcess
     from mars.workloads.generator import generate
     from mars.workloads.results import read_results
     from mars.workloads.trace import write_trace
+    from tests.conftest import read_events
 
     trace = generate("ILR-1", num_tasks=3, rate=0.5, seed=0, time_scale=10)
     write_trace(trace, tmp_path / "trace.jsonl")
@@ -182,8 +187,15 @@ def test_sim_matches_the_paced_emulation(tmp_path):
                             "--virtual-tool-cores", "8", "--ideal", "skip", "--no-plots",
                             "--no-progress", "--out", str(tmp_path / "paced")],
                            capture_output=True, text=True, timeout=600)
+        snaps = [e for e in read_events(srv.events_file) if e["kind"] == "kv_snapshot"]
     assert r.returncode == 0, r.stderr[-3000:]
-    paced = read_results(tmp_path / "paced").summary["latency_s"]
+    served = read_results(tmp_path / "paced")
+    assert [t.status for t in served.tasks] == ["completed"] * 3
+    rounds = [rd for t in served.tasks for rd in t.rounds]
+    assert max(rd.prompt_tokens for rd in rounds) > 10_000
+    assert all(rd.output_tokens == rd.planned_output_tokens for rd in rounds)
+    assert snaps and snaps[-1]["emulated"]["steps"] > 100
+    paced = served.summary["latency_s"]
     sim, _, _ = _simulate("fcfs", trace)
     simulated = sim.summary["latency_s"]
     for k in ("mean", "p90"):

@@ -53,15 +53,21 @@ class CalibrationGrid:
     decode_steps: int = 32
     #: a prefill of P new tokens (over the same prefix) joining each decode batch
     mixed_prefills: tuple[int, ...] = (256, 1536)
+    #: most context tokens a decode batch holds in all (0: up to a quarter of the KV pool)
+    decode_batch_tokens: int = 0
     #: passes over the whole grid; each workload keeps its fastest pass (see run_grid)
     repeats: int = 2
     seed: int = 0
 
     @classmethod
     def quick(cls) -> "CalibrationGrid":
-        """A small grid (seconds): for tests and a first look."""
+        """A small grid (about a minute of steps here): for tests and a first look. Four
+        decodes are measured up to 4 K contexts, one up to 16 K: on a CPU a prefill's
+        attention grows with the square of its context, and caching four 16 K contexts took
+        half of the grid's time (35 of 70 s a pass)."""
         return cls(prefill_prompts=(256, 4096, 16384), decode_batches=(1, 4),
-                   decode_contexts=(256, 4096, 16384), decode_steps=24, mixed_prefills=(512,))
+                   decode_contexts=(256, 4096, 16384), decode_steps=24, mixed_prefills=(512,),
+                   decode_batch_tokens=32768)
 
 
 class MeasuredEngine:
@@ -318,6 +324,8 @@ def run_grid(engine: MeasuredEngine, grid: CalibrationGrid,
             return engine.drain()
         jobs.append(prefill)
     budget = pool_tokens // 4
+    if grid.decode_batch_tokens > 0:
+        budget = min(budget, grid.decode_batch_tokens)
     for C in contexts:
         C = max(bs, C // bs * bs)
         for B in batches:
