@@ -392,3 +392,28 @@ def test_ctrl_c_stops_cleanly_and_keeps_partial_results(tmp_path, delay_s):
     assert "### ILR-1: task latency" in so and (out / "report.md").exists()
     assert "interrupted" in (out / "report.md").read_text()
     assert _server_pids_under(out) == []
+
+
+def test_a_point_worker_runs_commands_in_turn_and_reports_their_status(tmp_path):
+    """``mars bench --sim``'s worker (mars.bench.workers): each command's status and output
+    (its own log), one after another in one process; a worker killed mid-command answers
+    with a failure, and the pool does not hand it out again."""
+    from mars.bench.workers import WorkerPool
+
+    pool = WorkerPool()
+    try:
+        w = pool.take()
+        assert w.run(["sim", "run", "--no-such-flag"], tmp_path / "a.log") == 2
+        assert "unrecognized arguments: --no-such-flag" in (tmp_path / "a.log").read_text()
+        assert w.run(["events", "tail", "--help"], tmp_path / "b.log") == 0
+        assert "usage: mars events tail" in (tmp_path / "b.log").read_text()
+        assert "no-such-flag" not in (tmp_path / "b.log").read_text()
+        pool.give_back(w)
+        assert pool.take() is w  # the same process, still alive
+        w.proc.kill()
+        assert w.run(["events", "tail", "--help"], tmp_path / "c.log") != 0
+        pool.give_back(w)
+        assert pool.take() is not w
+    finally:
+        pool.close()
+    assert not w.alive

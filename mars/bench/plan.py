@@ -269,14 +269,15 @@ def default_out(regimes: Sequence[str]) -> Path:
 # ------------------------------------------------------------------------ command lines
 
 
-def sim_command(cfg: BenchConfig, trace: Path, p: Point, ideal: str) -> list[str]:
-    """``mars sim run`` of one point in virtual time (``--sim``)."""
+def sim_argv(cfg: BenchConfig, trace: Path, p: Point, ideal: str) -> list[str]:
+    """``mars sim run`` of one point in virtual time (``--sim``): the arguments after
+    ``mars`` (a worker process runs them: :mod:`mars.bench.workers`)."""
     from mars.emulate.profile import is_profile_path
 
     gpu, _, model = (cfg.sim or "").partition(":")
     target = ["--profile", cfg.sim] if is_profile_path(cfg.sim or "") else \
         ["--gpu", gpu, "--model", model]
-    cmd = [sys.executable, "-m", "mars.cli", "sim", "run",
+    cmd = ["sim", "run",
            "--trace", str(trace),
            *target, "--policies", p.policy, "--flat",
            "--out", p.dir, "--seed", str(cfg.seed), "--ideal", ideal,

@@ -40,7 +40,7 @@ from .plan import (
     build_traces,
     replay_command,
     same_tasks,
-    sim_command,
+    sim_argv,
 )
 from .record import (
     BENCH_SCHEMA,
@@ -52,6 +52,7 @@ from .record import (
     write_document,
 )
 from .report import compare, format_tables, rate_key, write_plots
+from .workers import WorkerPool
 
 
 def warm_up(url: str, timeout_s: float = 120.0) -> str | None:
@@ -106,6 +107,8 @@ class Bench:
         self.groups_left = 0
         self.tool_cores: list[int] | None = None
         self.engine_cores: list[int] | None = None
+        #: processes that run simulated points (``--sim``), started as points need them
+        self.workers = WorkerPool()
 
     # ------------------------------------------------------------------------ output
 
@@ -229,6 +232,7 @@ class Bench:
                     futures = [ex.submit(self._group, label, pts) for label, pts in groups]
                     self._supervise(futures)
         finally:
+            self.workers.close()
             if old_term is not None:
                 signal.signal(signal.SIGTERM, old_term)
         return self.finish()
@@ -405,8 +409,6 @@ class Bench:
 
     def _command(self, srv, p: Point, ideal: str) -> list[str]:
         trace = self.traces[(p.regime, rate_key(p.rate))]
-        if self.cfg.sim:
-            return sim_command(self.cfg, trace, p, ideal)
         return replay_command(self.cfg, trace, p, ideal, url=srv.url,
                               events_file=str(srv.events_file),
                               engine_cores=self.engine_cores, tool_cores=self.tool_cores)
@@ -433,23 +435,10 @@ class Bench:
             self.say(f"[{i}/{len(self.points)}] {p.label()}: replaying{extra}")
             t0 = time.monotonic()
             load0 = loadavg()
-            with open(log, "wb") as logf:
-                proc = subprocess.Popen(self._command(srv, p, ideal), stdout=logf,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
-                with self.lock:
-                    self.children[proc.pid] = proc
-                    self.active[p.key] = (p, log, t0)
-                    late = self.stop.is_set()
-                if late:  # Ctrl-C came between the check above and the child's start
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    p.returncode = proc.wait()
-                finally:
-                    with self.lock:
-                        self.children.pop(proc.pid, None)
-                        self.active.pop(p.key, None)
+            if self.cfg.sim:
+                p.returncode = self._simulate(p, ideal, log, t0)
+            else:
+                p.returncode = self._replay(srv, p, ideal, log, t0)
             p.wall_s = round(time.monotonic() - t0, 2)
             p.loadavg = [load0, loadavg()]
             if (d / "results.json").exists():
@@ -475,6 +464,46 @@ class Bench:
             if measures:
                 self.ideals.measured(p.regime, res, p.policy)
             self.save()
+
+    def _replay(self, srv, p: Point, ideal: str, log: Path, t0: float) -> int:
+        """``mars replay`` of the point against ``srv``, in its own process; its status."""
+        with open(log, "wb") as logf:
+            proc = subprocess.Popen(self._command(srv, p, ideal), stdout=logf,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+            with self.lock:
+                self.children[proc.pid] = proc
+                self.active[p.key] = (p, log, t0)
+                late = self.stop.is_set()
+            if late:  # Ctrl-C came between the check above and the child's start
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGINT)
+            try:
+                return proc.wait()
+            finally:
+                with self.lock:
+                    self.children.pop(proc.pid, None)
+                    self.active.pop(p.key, None)
+
+    def _simulate(self, p: Point, ideal: str, log: Path, t0: float) -> int:
+        """``mars sim run`` of the point in a worker process (:mod:`mars.bench.workers`); its
+        status. Ctrl-C reaches the worker as it reached a point's own process."""
+        trace = self.traces[(p.regime, rate_key(p.rate))]
+        worker = self.workers.take()
+        with self.lock:
+            self.children[worker.pid] = worker.proc
+            self.active[p.key] = (p, log, t0)
+            late = self.stop.is_set()
+        if late:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, signal.SIGINT)
+        try:
+            return worker.run(sim_argv(self.cfg, trace, p, ideal), log)
+        finally:
+            with self.lock:
+                self.children.pop(worker.pid, None)
+                self.active.pop(p.key, None)
+            self.workers.give_back(worker)
 
     def _point_line(self, p: Point) -> str:
         s = p.summary
