@@ -90,6 +90,30 @@ def wait_gone(procs: list, timeout_s: float) -> list[str]:
     return left
 
 
+#: test modules that share one engine server (``fcfs_server``): they are one pytest-xdist
+#: group, run by one worker (scripts/run_tests.sh distributes by group; every other module is
+#: a group of its own, as ``--dist loadfile`` made it), so the server starts once for the three
+SHARED_FCFS_SERVER = ("test_fcfs_equivalence", "test_replay_engine", "test_serve")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        name = module.rsplit("/", 1)[-1].removesuffix(".py")
+        item.add_marker(pytest.mark.xdist_group(
+            "fcfs-server" if name in SHARED_FCFS_SERVER else module))
+
+
+@pytest.fixture(scope="session")
+def fcfs_server():
+    """``mars-vllm serve`` as it starts by default (fcfs, the sidecar in front), with the
+    usage's cached-token counts on, for the modules of :data:`SHARED_FCFS_SERVER`. Their
+    tests find their own calls by session or request id and never assume a fresh server
+    (nothing reads a counter's absolute value or the pool as a whole)."""
+    with engine_server(["--enable-prompt-tokens-details"]) as srv:
+        yield srv
+
+
 def engine_server(extra_args: list[str] | None = None, **kw):
     vllm = pytest.importorskip("vllm")  # noqa: F841 - engine tests need the serving env
     from mars.launch import ServerProcess

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import BASE_ARGS, engine_server
+from tests.conftest import BASE_ARGS
 
 pytestmark = pytest.mark.engine
 
@@ -29,14 +29,15 @@ def _greedy(url: str, model: str) -> list[list[int]]:
     return outs
 
 
-def test_fcfs_matches_stock_vllm():
+def test_fcfs_matches_stock_vllm(fcfs_server):
+    """(``mars-vllm serve``'s default policy, on the server this module shares:
+    tests/conftest.py; the prompts share no block with any other test's.)"""
     pytest.importorskip("vllm")
     from mars.launch import free_port
     from mars.model.tiny import default_model_dir, write_tiny_model
 
     model = str(write_tiny_model(default_model_dir()))
-    with engine_server(["--policy", "fcfs"]) as srv:
-        ours = _greedy(srv.url, "mars-tiny")
+    ours = _greedy(fcfs_server.url, "mars-tiny")
 
     port = free_port()
     log = open(os.path.join(tempfile.mkdtemp(), "stock.log"), "wb")

@@ -21,7 +21,7 @@ import pytest
 from mars.workloads.eventlink import read_events
 from mars.workloads.results import read_results
 from mars.workloads.trace import Round, Task, Trace, write_trace
-from tests.conftest import engine_server, wait_for_events
+from tests.conftest import wait_for_events
 
 pytestmark = pytest.mark.engine
 
@@ -30,9 +30,8 @@ SCALED = ["ILR-1", "--num-tasks", "3", "--scale", "50", "--time-scale", "40", "-
 
 
 @pytest.fixture(scope="module")
-def server():
-    with engine_server(["--enable-prompt-tokens-details"]) as srv:
-        yield srv
+def server(fcfs_server):
+    return fcfs_server  # (shared with other modules: tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from mars.protocol.sse import iter_sse_lines
 
-from tests.conftest import engine_server, read_events, wait_for_events
+from tests.conftest import read_events, wait_for_events
 
 pytestmark = pytest.mark.engine
 
@@ -27,9 +27,8 @@ TOOLS = [{
 
 
 @pytest.fixture(scope="module")
-def server():
-    with engine_server() as srv:
-        yield srv
+def server(fcfs_server):
+    return fcfs_server  # (shared with other modules: tests/conftest.py)
 
 
 def test_chat_completion_is_openai_shaped(server):
