@@ -112,6 +112,38 @@ def given(argv: list[str], flag: str) -> bool:
                for a in argv)
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` (``--flag V`` or ``--flag=V``, either spelling vLLM's
+    parser accepts; the last one wins, as argparse's), or None."""
+    alt = "--" + flag[2:].replace("-", "_")
+    value = None
+    for i, a in enumerate(argv):
+        if a in (flag, alt) and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "=") or a.startswith(alt + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def check_profile_early(argv: list[str]) -> None:
+    """``--emulate PROFILE.json``: the profile read and its refusals made before vLLM is
+    imported (~10 s sooner: a mistyped path or a flag that would resize the measured pool is
+    answered at once). :func:`apply_emulation` makes the same checks again on the parsed
+    arguments."""
+    spec = flag_value(argv, "--emulate")
+    if spec is None:
+        return
+    from mars.emulate.profile import DeviceProfile, is_profile_path
+
+    if not is_profile_path(spec):
+        return
+    try:
+        DeviceProfile.load(spec)
+        _refuse_with_profile(argv, {})
+    except ValueError as exc:
+        raise SystemExit(f"mars-vllm: --emulate: {exc}") from None
+
+
 def _dp_size(args: argparse.Namespace) -> int:
     """vLLM's data-parallel engines behind this server (``--data-parallel-size``)."""
     return max(1, int(getattr(args, "data_parallel_size", 1) or 1))
@@ -553,6 +585,8 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"mars {mars.__version__} (vLLM {_vllm_version()})")
         return
+    if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
+        check_profile_early(argv[1:])
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
 
