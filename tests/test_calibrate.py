@@ -53,37 +53,6 @@ def test_calibrate_writes_the_served_engine_profile(profile):
     json.dumps(p.as_dict())
 
 
-def test_the_emulated_engine_on_a_profile_has_the_real_engines_pool(profile):
-    """``--emulate PROFILE`` schedules with the measured engine's settings: same block size,
-    token budget, context limit and KV pool as the real engine it stands in for."""
-    from mars.sim.clock import VirtualClock
-    from mars.engine.harness.sim_engine import SimEngine
-
-    import os
-
-    from mars.emulate.profile import DeviceProfile
-
-    measured = DeviceProfile.load(profile)
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    eng = SimEngine(str(profile), "fcfs", clock=VirtualClock(), sink=lambda ev: None)
-    try:
-        cfg = eng.vllm_config
-        assert eng.block_size == measured.engine.block_size == 32
-        assert eng.max_model_len == measured.engine.max_model_len
-        assert cfg.scheduler_config.max_num_batched_tokens == \
-            measured.engine.max_num_batched_tokens
-        assert cfg.scheduler_config.max_num_seqs == measured.engine.max_num_seqs
-        # 1 GiB of bf16 KV for 2 layers x 2 KV heads x 32 = 512 B per token: 2,097,152 tokens,
-        # what the real engine's log reports for the same pool
-        assert eng.num_blocks * eng.block_size == 2_097_152
-        # served under the profile's name, not as the real engine
-        assert eng.served_model == measured.name != measured.served_model_name
-    finally:
-        eng.close()
-    # building an in-process engine leaves no trace in the environment later servers inherit
-    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before
-
-
 def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
     """Fidelity, small form (the full table: docs/sim.md): the same trace through the real
     served engine on this machine (``mars-vllm serve`` on the embedded model, real compute,
@@ -198,23 +167,3 @@ def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
     assert errs[len(errs) // 2] < 0.5, detail
     assert mean_sim == pytest.approx(mean_real, rel=0.15), detail
     assert busy_sim == pytest.approx(busy_real, rel=0.15), detail
-
-
-def test_bench_simulates_a_grid_on_the_profile(profile, tmp_path):
-    """``mars bench --sim PROFILE``: the grid in virtual time on the measured device."""
-    from mars.workloads.results import read_results
-
-    out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim", str(profile),
-                        "--policies", "fcfs", "--rates", "0.2", "--num-tasks", "2",
-                        "--time-scale", "10", "--context-limit", "60000", "--ideal", "skip",
-                        "--no-run-plots", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = [read_results(p) for p in out.rglob("results.json")]
-    assert len(res) == 1 and res[0].server["emulated"]["profile"] == str(profile.resolve())
-    assert res[0].summary["tasks"]["completed"] == 2
-    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim",
-                        str(tmp_path / "nope.json"), "--out", str(tmp_path / "b2")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "cannot read device profile" in r.stderr

@@ -180,3 +180,69 @@ def test_flags_that_would_resize_a_profiles_pool_are_refused(tmp_path):
                            timeout=120)
         assert r.returncode != 0 and "does not apply to a device profile" in r.stderr, \
             r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def written_profile(tmp_path_factory):
+    """A device profile file of the embedded model on the CPU engine's settings, as ``mars
+    emulate calibrate`` writes one (tests/test_calibrate.py calibrates a real one, in the
+    quiet tier; what is checked here needs a profile, not a measurement)."""
+    from tests.test_calibrate_unit import _profile
+
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    _profile().write(path)
+    return path
+
+
+def test_the_emulated_engine_on_a_profile_has_the_real_engines_pool(written_profile):
+    """``--emulate PROFILE`` schedules with the measured engine's settings: same block size,
+    token budget, context limit and KV pool as the real engine it stands in for (those a
+    calibration records: tests/test_calibrate.py)."""
+    profile = written_profile
+    from mars.sim.clock import VirtualClock
+    from mars.engine.harness.sim_engine import SimEngine
+
+    import os
+
+    from mars.emulate.profile import DeviceProfile
+
+    measured = DeviceProfile.load(profile)
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    eng = SimEngine(str(profile), "fcfs", clock=VirtualClock(), sink=lambda ev: None)
+    try:
+        cfg = eng.vllm_config
+        assert eng.block_size == measured.engine.block_size == 32
+        assert eng.max_model_len == measured.engine.max_model_len
+        assert cfg.scheduler_config.max_num_batched_tokens == \
+            measured.engine.max_num_batched_tokens
+        assert cfg.scheduler_config.max_num_seqs == measured.engine.max_num_seqs
+        # 1 GiB of bf16 KV for 2 layers x 2 KV heads x 32 = 512 B per token: 2,097,152 tokens,
+        # what the real engine's log reports for the same pool
+        assert eng.num_blocks * eng.block_size == 2_097_152
+        # served under the profile's name, not as the real engine
+        assert eng.served_model == measured.name != measured.served_model_name
+    finally:
+        eng.close()
+    # building an in-process engine leaves no trace in the environment later servers inherit
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before
+
+
+def test_bench_simulates_a_grid_on_the_profile(written_profile, tmp_path):
+    """``mars bench --sim PROFILE``: the grid in virtual time on a device profile."""
+    profile = written_profile
+    from mars.workloads.results import read_results
+
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim", str(profile),
+                        "--policies", "fcfs", "--rates", "0.2", "--num-tasks", "2",
+                        "--time-scale", "10", "--context-limit", "60000", "--ideal", "skip",
+                        "--no-run-plots", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = [read_results(p) for p in out.rglob("results.json")]
+    assert len(res) == 1 and res[0].server["emulated"]["profile"] == str(profile.resolve())
+    assert res[0].summary["tasks"]["completed"] == 2
+    r = subprocess.run([sys.executable, "-m", "mars.cli", "bench", "ILR-1", "--sim",
+                        str(tmp_path / "nope.json"), "--out", str(tmp_path / "b2")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "cannot read device profile" in r.stderr
