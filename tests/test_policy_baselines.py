@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -122,6 +124,33 @@ def test_infercept_break_even_and_decision():
     for _ in range(20):
         pol.observe_tool("slow", 9.0)                 # mean 9 > 6.4 -> discard
     assert pol.admit(cand("slow", session="s2"), k, now=0.0) == 0.0
+
+
+def test_continuum_dy_prices_a_reload_from_host_memory_when_the_engine_offloads():
+    """Continuum's value of a warm resume counts "the potential cost of recomputation or
+    reloading (if CPU offloading enabled)": with a host tier, reload(r) is the read back of
+    what the host holds plus the recompute of the rest, when that is cheaper than the whole
+    recompute; ``offload: false`` (or no tier) keeps the recompute; a context the host pool
+    cannot hold is recomputed."""
+    from mars.policy.engine.base import HostTier
+
+    tier = HostTier(98_304, 64 * 2**30, 30e9, block_tokens=16)
+    c = PinCandidate(session_id="s", blocks=2000, context_tokens=32_000, tool="t",
+                     started=0.0, prompt_tokens=31_500)
+    pol, plain = ContinuumDyRetention(), ContinuumDyRetention(ContinuumDyConfig(offload=False))
+    for p in (pol, plain):
+        p.attach_host_tier(tier)
+    read = 31_488 * 98_304 / 30e9  # the prompt's whole blocks come back (0.10 s)
+    assert pol.reload_s(c) == pytest.approx(read + 512 / 10_000)
+    assert plain.reload_s(c) == ContinuumDyRetention().reload_s(c) == pytest.approx(3.2)
+    # the cold start's closed form, on each value: m ln(V / m), m = 1 s
+    assert pol.admit(c, kv(5_000), now=0.0) == 0.0  # V = 0.15 s < m: not worth a pin
+    assert plain.admit(c, kv(5_000), now=0.0) == pytest.approx(math.log(3.2))
+    huge = PinCandidate(session_id="h", blocks=9000, context_tokens=10_000_000, tool="t",
+                        started=0.0, prompt_tokens=10_000_000)
+    assert pol.reload_s(huge) == pytest.approx(1000.0)  # the host cannot hold it
+    with pytest.raises(ValueError, match="offload"):
+        ContinuumDyConfig(offload="no")
 
 
 def test_infercept_swaps_when_the_engine_has_a_host_tier():

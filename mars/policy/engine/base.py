@@ -15,8 +15,8 @@ never probes a policy object for optional methods.
 from __future__ import annotations
 
 import math
-
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -271,6 +271,15 @@ class HostTier:
         held = context_tokens if (prompt_tokens is None or not self.prompt_only) \
             else min(prompt_tokens, context_tokens)
         return max(0, held) // self.block_tokens * self.block_tokens
+
+    def reload_s(self, context_tokens: int, prompt_tokens: int | None,
+                 recompute_s: Callable[[int], float]) -> float:
+        """What a released context costs its next round with this host tier: the read back
+        of what the host holds and the recompute of the rest, or the whole recompute when
+        that is cheaper."""
+        held = self.held_tokens(context_tokens, prompt_tokens)
+        return min(recompute_s(context_tokens),
+                   self.read_s(held) + recompute_s(context_tokens - held))
 
     def read_s(self, tokens: int) -> float:
         """Seconds to read ``tokens`` of context back; ``inf`` when the host pool could not

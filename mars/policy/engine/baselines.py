@@ -422,6 +422,14 @@ class ContinuumDyConfig:
     default_eta: float = 1.0
     #: T-bar before any post-eviction queueing delay was observed
     default_queue_delay_s: float = 0.0
+    #: with a host tier (vLLM's KV offloading), ``reload(r)`` is the cheaper of recomputing
+    #: the context and reading back what the host holds (the paper: "the potential cost of
+    #: recomputation or reloading (if CPU offloading enabled)"); False: recompute only
+    offload: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be true or false, got {self.offload!r}")
     queue_delay_samples: int = 512
 
 
@@ -434,7 +442,10 @@ class ContinuumDyRetention(_OneShotRetention):
     fewer than ``min_samples``) and ``C`` the distinct observed durations of that CDF (where
     the empirical CDF steps; any other tau scores less than the sample below it); ``T_bar`` the
     mean queueing delay a call suffered after its KV was evicted (``observe_queue_delay``);
-    ``reload(r)`` the recompute time of the context (``context_tokens / prefill rate``);
+    ``reload(r)`` the recompute time of the context (``context_tokens / prefill rate``), or,
+    when the engine offloads to host memory (:meth:`attach_host_tier`; ``offload``), the
+    read back of what the host holds and the recompute of the rest if that is cheaper, as
+    the paper prices a reload "if CPU offloading [is] enabled";
     ``eta = -corr(turns done, turns left)`` over the (done, left) pairs ``(d, T-d), d = 1..T``
     of every finished session of ``T`` turns (``observe_session``), clamped to [0, 1] (a
     positive correlation would mean "more done, more left", which gives no reason to pin). The
@@ -467,8 +478,18 @@ class ContinuumDyRetention(_OneShotRetention):
         #: how many admit decisions each rule made (reported per run)
         self.decisions = {"cold_start": 0, "dynamic": 0}
         self._last_rule: str | None = None
+        #: host memory holding released contexts (vLLM's offloading), when there is one
+        self.host: HostTier | None = None
 
     # ------------------------------------------------------------------ feeding
+    def attach_host_tier(self, tier: HostTier) -> None:
+        if self.config.offload:
+            self.host = tier
+
+    def observe_host_read(self, nbytes: int, seconds: float) -> None:
+        if self.host is not None:
+            self.host.observe_read(nbytes, seconds)
+
     def observe_queue_delay(self, seconds: float) -> None:
         if seconds is not None and math.isfinite(seconds) and seconds >= 0:
             self._queue_delays.append(float(seconds))
@@ -503,9 +524,16 @@ class ContinuumDyRetention(_OneShotRetention):
         q = self._queue_delays
         return sum(q) / len(q) if q else self.config.default_queue_delay_s
 
+    def reload_s(self, cand: PinCandidate) -> float:
+        """``reload(r)``: the recompute, or with a host tier the cheaper read back."""
+        if self.host is None:
+            return self.prefill.recompute_s(cand.context_tokens)
+        return self.host.reload_s(cand.context_tokens, cand.prompt_tokens,
+                                  self.prefill.recompute_s)
+
     def value_s(self, cand: PinCandidate) -> float:
         """What a warm resume is worth: ``T_bar * eta + reload(r)``."""
-        return self.mean_queue_delay_s * self.eta + self.prefill.recompute_s(cand.context_tokens)
+        return self.mean_queue_delay_s * self.eta + self.reload_s(cand)
 
     def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         cfg = self.config

@@ -272,13 +272,10 @@ class CostBenefitRetention(RetentionPolicy):
         """What a released context costs its next round: the recompute, or, when cheaper,
         the read back from host memory of what the host holds and the recompute of the
         rest (vLLM stores prompts: the round's output is recomputed)."""
-        ctx = cand.context_tokens
-        r = self.prefill.recompute_s(ctx)
-        host = self.host
-        if host is not None:
-            held = host.held_tokens(ctx, cand.prompt_tokens)
-            r = min(r, host.read_s(held) + self.prefill.recompute_s(ctx - held))
-        return r
+        if self.host is None:
+            return self.prefill.recompute_s(cand.context_tokens)
+        return self.host.reload_s(cand.context_tokens, cand.prompt_tokens,
+                                  self.prefill.recompute_s)
 
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
         self.durations.observe(tool, duration_s)
