@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole suite, in three parts:
 #   1. the serving environment's tests, whole modules spread over one pytest worker per core
-#      (pytest-xdist --dist loadgroup: a module's engine servers are shared by its tests, and
-#      tests/conftest.py makes each module a group of its own but for modules that share a
-#      server, which go to one worker together);
+#      (pytest-xdist --dist loadfile: a module's engine servers are shared by its tests;
+#      tests/conftest.py sends modules that share a server to one worker together);
 #   2. the agent environment's tests, whose end-to-end test needs a real `mars-vllm serve`
 #      (sidecar in front) that this script starts. Not beside part 1: on two cores busy with
 #      it, a terminal tool's command after an interrupted one once missed its 10 s timeout;
@@ -30,7 +29,7 @@ if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 xdist=()
-[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup)
+[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
 start=$(date +%s)
 stamp() { echo "run_tests: $1 at $(( $(date +%s) - start )) s" >&2; }
 

@@ -90,18 +90,28 @@ def wait_gone(procs: list, timeout_s: float) -> list[str]:
     return left
 
 
-#: test modules that share one engine server (``fcfs_server``): they are one pytest-xdist
-#: group, run by one worker (scripts/run_tests.sh distributes by group; every other module is
-#: a group of its own, as ``--dist loadfile`` made it), so the server starts once for the three
+#: test modules that share one engine server (``fcfs_server``): pytest-xdist sends them to
+#: one worker together (every other module goes whole to a worker of its own choosing, as
+#: ``--dist loadfile`` does), so the server starts once for the three
 SHARED_FCFS_SERVER = ("test_fcfs_equivalence", "test_replay_engine", "test_serve")
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        name = module.rsplit("/", 1)[-1].removesuffix(".py")
-        item.add_marker(pytest.mark.xdist_group(
-            "fcfs-server" if name in SHARED_FCFS_SERVER else module))
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the modules of :data:`SHARED_FCFS_SERVER` as one file.
+    (Not ``--dist loadgroup``: pytest-xdist 3.8 tags a group by rewriting ``item._nodeid``,
+    which pytest 9 no longer reads, so every test was sent on its own and module fixtures,
+    servers included, were set up on both workers.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            name = scope.rsplit("/", 1)[-1].removesuffix(".py")
+            return "fcfs-server" if name in SHARED_FCFS_SERVER else scope
+
+    return SharedServerScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
