@@ -96,6 +96,7 @@ def wait_gone(procs: list, timeout_s: float) -> list[str]:
 SHARED_FCFS_SERVER = ("test_fcfs_equivalence", "test_replay_engine", "test_serve")
 
 
+@pytest.hookimpl(optionalhook=True)  # (the agent environment has no pytest-xdist)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the modules of :data:`SHARED_FCFS_SERVER` as one file.
     (Not ``--dist loadgroup``: pytest-xdist 3.8 tags a group by rewriting ``item._nodeid``,

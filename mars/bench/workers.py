@@ -48,7 +48,7 @@ class PointWorker:
             try:
                 return int(json.loads(line)["rc"])
             except (ValueError, KeyError, TypeError):
-                pass
+                self.proc.kill()  # an answer it cannot have written: not to be trusted again
         rc = self.proc.wait()
         return rc if rc != 0 else 1  # (it ended without answering: not a success)
 

@@ -374,7 +374,8 @@ def register(sub) -> None:
     cal.add_argument("--name", default=None, help="profile name (default: SERVED_NAME@cpu)")
     cal.add_argument("--device-name", default="cpu", help="device name (default: cpu)")
     cal.add_argument("--quick", action="store_true",
-                     help="a small grid (seconds; a rough fit, for a first look and tests)")
+                     help="a small grid (about 2 minutes on 2 CPU cores; a rough fit, for a "
+                          "first look and tests)")
     cal.add_argument("--no-plot", action="store_true",
                      help="no plot of measured vs predicted step times")
     cal.set_defaults(func=_cmd_calibrate)

@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"mars {mars.__version__} (vLLM {_vllm_version()})")
         return
-    if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
+    if argv[:1] == ["serve"] and not any(a == "-h" or a.startswith("--help") for a in argv):
         check_profile_early(argv[1:])
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

@@ -189,7 +189,8 @@ class RetentionPolicy(ABC):
     def attach_host_tier(self, tier: "HostTier") -> None:
         """The engine offloads KV to host memory (vLLM's ``--kv-offloading-size``): a
         released context can come back over the host link instead of being recomputed.
-        Rules that do not price that (the baselines, each as its paper has it) ignore it."""
+        Rules whose papers do not price that ignore it (InferCept swaps and Continuum-Dy
+        prices the reload, as their papers do)."""
 
     def observe_host_read(self, nbytes: int, seconds: float) -> None:
         """Loads from host memory moved ``nbytes`` in ``seconds`` (waits for the link
