@@ -1,5 +1,9 @@
 """Shared fixtures. Engine tests start real ``mars-vllm serve`` processes on the embedded tiny
-model; one server per test module (start-up costs ~20-40 s on two cores)."""
+model; one server per test module, or one for several modules where they need the same one
+(``fcfs_server``). A start costs ~45 s of CPU here, most of it importing vLLM in each of the
+server's three processes: the suite's time is mostly server starts, so a new engine test
+should use a server its module (or ``fcfs_server``) already has and find its own calls by
+session or request id."""
 
 from __future__ import annotations
 
