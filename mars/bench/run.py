@@ -465,44 +465,42 @@ class Bench:
                 self.ideals.measured(p.regime, res, p.policy)
             self.save()
 
+    @contextlib.contextmanager
+    def _running(self, p: Point, proc: subprocess.Popen, log: Path, t0: float):
+        """``proc`` runs point ``p``: Ctrl-C reaches it (:meth:`interrupt`) and the heartbeat
+        shows it until the block ends."""
+        with self.lock:
+            self.children[proc.pid] = proc
+            self.active[p.key] = (p, log, t0)
+            late = self.stop.is_set()
+        if late:  # Ctrl-C came between the caller's check and the process's start
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGINT)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.children.pop(proc.pid, None)
+                self.active.pop(p.key, None)
+
     def _replay(self, srv, p: Point, ideal: str, log: Path, t0: float) -> int:
         """``mars replay`` of the point against ``srv``, in its own process; its status."""
         with open(log, "wb") as logf:
             proc = subprocess.Popen(self._command(srv, p, ideal), stdout=logf,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
-            with self.lock:
-                self.children[proc.pid] = proc
-                self.active[p.key] = (p, log, t0)
-                late = self.stop.is_set()
-            if late:  # Ctrl-C came between the check above and the child's start
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGINT)
-            try:
+            with self._running(p, proc, log, t0):
                 return proc.wait()
-            finally:
-                with self.lock:
-                    self.children.pop(proc.pid, None)
-                    self.active.pop(p.key, None)
 
     def _simulate(self, p: Point, ideal: str, log: Path, t0: float) -> int:
         """``mars sim run`` of the point in a worker process (:mod:`mars.bench.workers`); its
         status. Ctrl-C reaches the worker as it reached a point's own process."""
         trace = self.traces[(p.regime, rate_key(p.rate))]
         worker = self.workers.take()
-        with self.lock:
-            self.children[worker.pid] = worker.proc
-            self.active[p.key] = (p, log, t0)
-            late = self.stop.is_set()
-        if late:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker.pid, signal.SIGINT)
         try:
-            return worker.run(sim_argv(self.cfg, trace, p, ideal), log)
+            with self._running(p, worker.proc, log, t0):
+                return worker.run(sim_argv(self.cfg, trace, p, ideal), log)
         finally:
-            with self.lock:
-                self.children.pop(worker.pid, None)
-                self.active.pop(p.key, None)
             self.workers.give_back(worker)
 
     def _point_line(self, p: Point) -> str:

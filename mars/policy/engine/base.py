@@ -273,15 +273,6 @@ class HostTier:
             else min(prompt_tokens, context_tokens)
         return max(0, held) // self.block_tokens * self.block_tokens
 
-    def reload_s(self, context_tokens: int, prompt_tokens: int | None,
-                 recompute_s: Callable[[int], float]) -> float:
-        """What a released context costs its next round with this host tier: the read back
-        of what the host holds and the recompute of the rest, or the whole recompute when
-        that is cheaper."""
-        held = self.held_tokens(context_tokens, prompt_tokens)
-        return min(recompute_s(context_tokens),
-                   self.read_s(held) + recompute_s(context_tokens - held))
-
     def read_s(self, tokens: int) -> float:
         """Seconds to read ``tokens`` of context back; ``inf`` when the host pool could not
         hold them (vLLM's host LRU would have dropped part of it)."""
@@ -291,6 +282,18 @@ class HostTier:
         if nbytes > self.capacity_bytes:
             return math.inf
         return nbytes / self.read_bytes_per_s
+
+
+def reload_s(host: HostTier | None, cand: PinCandidate,
+             recompute_s: Callable[[int], float]) -> float:
+    """What a released context costs its next round: its recompute, or, with a host tier,
+    the read back of what the host holds and the recompute of the rest when that is
+    cheaper (the rules that price a host tier share it: MARS's, Continuum-Dy's)."""
+    ctx = cand.context_tokens
+    if host is None:
+        return recompute_s(ctx)
+    held = host.held_tokens(ctx, cand.prompt_tokens)
+    return min(recompute_s(ctx), host.read_s(held) + recompute_s(ctx - held))
 
 
 class FcfsOrdering(OrderingPolicy):

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mars.policy.engine.base import (CallView, HostTier, KvPressure, OrderingPolicy, PinCandidate,
-                                     RetentionPolicy)
+                                     RetentionPolicy, reload_s)
 from mars.policy.engine.retention import PrefillRate, ToolDurationModel
 
 # ====================================================================== Autellix PLAS
@@ -426,11 +426,11 @@ class ContinuumDyConfig:
     #: the context and reading back what the host holds (the paper: "the potential cost of
     #: recomputation or reloading (if CPU offloading enabled)"); False: recompute only
     offload: bool = True
+    queue_delay_samples: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be true or false, got {self.offload!r}")
-    queue_delay_samples: int = 512
 
 
 class ContinuumDyRetention(_OneShotRetention):
@@ -526,10 +526,7 @@ class ContinuumDyRetention(_OneShotRetention):
 
     def reload_s(self, cand: PinCandidate) -> float:
         """``reload(r)``: the recompute, or with a host tier the cheaper read back."""
-        if self.host is None:
-            return self.prefill.recompute_s(cand.context_tokens)
-        return self.host.reload_s(cand.context_tokens, cand.prompt_tokens,
-                                  self.prefill.recompute_s)
+        return reload_s(self.host, cand, self.prefill.recompute_s)
 
     def value_s(self, cand: PinCandidate) -> float:
         """What a warm resume is worth: ``T_bar * eta + reload(r)``."""

@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mars.policy.engine.base import (HostTier, KvPressure, MeasuredRate, PinCandidate,
-                                     RetentionPolicy)
+                                     RetentionPolicy, reload_s)
 
 ALL_TOOLS = "*"
 
@@ -272,10 +272,7 @@ class CostBenefitRetention(RetentionPolicy):
         """What a released context costs its next round: the recompute, or, when cheaper,
         the read back from host memory of what the host holds and the recompute of the
         rest (vLLM stores prompts: the round's output is recomputed)."""
-        if self.host is None:
-            return self.prefill.recompute_s(cand.context_tokens)
-        return self.host.reload_s(cand.context_tokens, cand.prompt_tokens,
-                                  self.prefill.recompute_s)
+        return reload_s(self.host, cand, self.prefill.recompute_s)
 
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
         self.durations.observe(tool, duration_s)
