@@ -2,9 +2,9 @@
 
 One server for the module. Checks that what the replay measures is what the server did:
 prompts arrive with exactly the length the client built, later rounds hit the prefix cache,
-each round's client-side span contains the engine's own span (gpu_submit -> gpu_end) and the
-mean round latency agrees with vLLM's ``vllm:e2e_request_latency_seconds``; then the ideal
-cache, Ctrl-C and the context limit.
+each round's client-side span contains the engine's own span (gpu_submit -> gpu_end), vLLM's
+``vllm:e2e_request_latency_seconds`` counted the same requests, and each tool ran between its
+round and the next, never inside one; then the ideal cache, Ctrl-C and the context limit.
 """
 
 from __future__ import annotations
@@ -87,20 +87,28 @@ def test_replay_measures_what_the_server_did(first_run):
             assert t0 + r.submit_s - slack <= e["gpu_submit"]["ts"]
             assert e["gpu_end"]["ts"] <= t0 + r.end_s + slack
 
-    # the mean round latency agrees with vLLM's own e2e histogram over the same requests
+    # vLLM's own e2e histogram counted exactly these requests, and the client's spans hold the
+    # server's (the client's excess, HTTP and sidecar proxying, depends on how busy the machine
+    # is, so it is not bounded here; what would be a gross error, tool time counted into a
+    # round, is checked from the stream below)
     sm = res.server_metrics
     assert sm and sm["vllm:e2e_request_latency_seconds_count"] == len(rounds)
     server_mean = res.summary["server"]["mean_e2e_request_latency_s"]
     client_mean = res.summary["round_latency_s"]["mean"]
-    # (the client's span holds the server's; the excess is HTTP + sidecar proxying, which a
-    # busy two-core machine can stretch, hence the loose upper bound: it catches gross
-    # errors like tool time counted into a round)
-    assert server_mean * 0.98 <= client_mean <= server_mean * 1.5 + 0.1, (client_mean, server_mean)
+    assert server_mean * 0.98 <= client_mean, (client_mean, server_mean)
 
-    # tool events went to the sidecar and came back in the merged stream
+    # tool events went to the sidecar and came back in the merged stream, and each tool ran
+    # between its round's end and the next round's submit, never inside a round
     kinds = [e["kind"] for e in evs]
     n_tools = sum(1 for r in rounds if r.tool)
     assert kinds.count("tool_start") == kinds.count("tool_end") == n_tools > 0
+    tool_ev = {(e["kind"], e["call_id"]): e for e in evs if e["kind"] in ("tool_start", "tool_end")}
+    for t in res.tasks:
+        for r, nxt in zip(t.rounds, t.rounds[1:]):
+            call = f"{t.task_id}.r{r.index}"  # (the replay's call id: session, round)
+            start, end = tool_ev["tool_start", call]["ts"], tool_ev["tool_end", call]["ts"]
+            assert t0 + r.end_s - slack <= start <= end <= t0 + nxt.submit_s + slack
+            assert r.end_s <= r.tool_start_s <= r.tool_end_s <= nxt.submit_s
     # goodput is judged against the isolated run measured first (and cached)
     ideal = read_results(out / "ideal_results.json")
     assert ideal.mode == "isolated" and all(t.status == "completed" for t in ideal.tasks)
