@@ -1,7 +1,8 @@
 """`--policy mars` vs `--policy fcfs` on the real engine (tiny model, small KV cache).
 
-One server per policy, started one after the other (never both at once: the comparison must
-not share two cores between them). Each server runs every scenario; the tests then compare.
+One server per policy, started one after the other (never both at once). Each server runs the
+scenarios (the liveness one only under MARS, whose promotion bound it checks); the tests then
+compare what the engines' own events say.
 Scenarios use fresh token ids per run so nothing hits the prefix cache by accident.
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 from mars.protocol.sse import aiter_sse_lines
 
-from tests.conftest import engine_server, read_events
+from tests.conftest import engine_server, read_events, wait_for_events
 
 pytestmark = pytest.mark.engine
 
@@ -56,18 +57,32 @@ async def _call(c: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: i
     return {"ttft": first, "e2e": time.perf_counter() - t0, "ids": ids}
 
 
-async def head_of_line(url: str, seed: int) -> dict:
+async def head_of_line(url: str, events_file: str, seed: int) -> dict:
+    """A 12K-token call, then (once the engine has it) 8 short ones. Returns, per call, when
+    the engine took it and when its first token came (the engine's own event times), and
+    whether the long call finished."""
     async with httpx.AsyncClient(timeout=300) as c:
+        long_sid = f"hol-long-{seed}"
         long = asyncio.create_task(_call(c, url, _ids(seed, 12_000), 4,
-                                         {"job_id": f"hol-long-{seed}", "last_round": True}))
-        await asyncio.sleep(0.15)
-        shorts = await asyncio.gather(*[
+                                         {"job_id": long_sid, "last_round": True}))
+        # the shorts come once the engine holds the long call (not after a fixed sleep, which
+        # a busy machine can outlast)
+        assert await asyncio.to_thread(wait_for_events, events_file, lambda e: e["kind"] ==
+                                       "gpu_submit" and e["session_id"] == long_sid, 120)
+        await asyncio.gather(*[
             _call(c, url, _ids(seed * 100 + j, 96), 4,
                   {"job_id": f"hol-s{j}-{seed}", "last_round": True})
             for j in range(8)])
         lr = await long
-    return {"short_ttft": sum(s["ttft"] for s in shorts) / len(shorts),
-            "long_e2e": lr["e2e"], "long_done": len(lr["ids"]) == 4}
+    evs = read_events(events_file)
+
+    def at(kind: str, sid: str) -> float:
+        return next(e["ts"] for e in evs if e["kind"] == kind and e["session_id"] == sid)
+
+    return {"long_submit": at("gpu_submit", long_sid), "long_first": at("gpu_1st_token", long_sid),
+            "shorts": [(at("gpu_submit", f"hol-s{j}-{seed}"), at("gpu_1st_token", f"hol-s{j}-{seed}"))
+                       for j in range(8)],
+            "long_done": len(lr["ids"]) == 4}
 
 
 async def retention(url: str, seed: int) -> str:
@@ -116,10 +131,10 @@ async def liveness(url: str, seed: int, duration_s: float = 8.0) -> dict:
 def _run_all(policy: str) -> dict:
     extra = ["--policy", policy] + (["--mars-config", MARS_CONFIG] if policy == "mars" else [])
     with engine_server(ARGS + extra, ) as srv:
-        asyncio.run(head_of_line(srv.url, seed=1))  # warm-up (first-call overheads)
-        out = {"hol": asyncio.run(head_of_line(srv.url, seed=2))}
+        out = {"hol": asyncio.run(head_of_line(srv.url, srv.events_file, seed=2))}
         out["ret_session"] = asyncio.run(retention(srv.url, seed=3))
-        out["live"] = asyncio.run(liveness(srv.url, seed=4))
+        if policy == "mars":  # (the bound is MARS's promotion rule; FCFS has none to check)
+            out["live"] = asyncio.run(liveness(srv.url, seed=4))
         # Snapshots are taken on engine steps; a probe after a quiet spell shows the pool as
         # every session left it (plus the probe's one block).
         time.sleep(1.0)
@@ -127,11 +142,12 @@ def _run_all(policy: str) -> dict:
             "model": "mars-tiny", "prompt": [5, 6, 7], "max_tokens": 1,
             "vllm_xargs": {"job_id": "probe", "last_round": True}})
         assert probe.status_code == 200
-        time.sleep(0.5)  # events flush
+        assert wait_for_events(srv.events_file, lambda e: e["kind"] == "gpu_end"
+                               and e["session_id"] == "probe", 60)  # (events flush)
         out["events"] = read_events(srv.events_file)
         frac = _round_cache_fraction(out["events"], out["ret_session"], 1)
         print(f"\n{policy}: hol={out['hol']} round-2 cached={frac:.2f} "
-              f"live_ttft={out['live']['ttft']:.2f}s")
+              f"live={out.get('live', {}).get('ttft')}")
     return out
 
 
@@ -149,12 +165,20 @@ def _round_cache_fraction(events: list[dict], sid: str, rnd: int) -> float:
 
 
 def test_head_of_line_short_calls_go_first(runs):
-    fcfs, mars = runs["fcfs"]["hol"], runs["mars"]["hol"]
-    assert mars["long_done"] and fcfs["long_done"]
-    # several times lower mean TTFT for the short calls behind a 12K-token prefill
-    assert mars["short_ttft"] * 3 < fcfs["short_ttft"], (mars, fcfs)
-    # and the long call is not starved for it
-    assert mars["long_e2e"] < 2 * fcfs["long_e2e"], (mars, fcfs)
+    """Short calls that reach the engine while a 12K-token prefill runs: under MARS each gets
+    its first token no later than the long call does; under FCFS none gets it earlier (the
+    long call takes every step's token budget until its prompt is in). Read from the
+    engine's own events, so a busy machine moves the times, not the order. (The size of the
+    gain is a benchmark's subject, and the simulator's tests bound it in virtual time.)"""
+    for policy in ("mars", "fcfs"):
+        hol = runs[policy]["hol"]
+        assert hol["long_done"], (policy, hol)
+        during = [first for sub, first in hol["shorts"] if sub < hol["long_first"]]
+        assert during, (policy, hol)  # the scenario happened: shorts arrived mid-prefill
+        if policy == "mars":
+            assert all(first <= hol["long_first"] for first in during), hol
+        else:
+            assert all(first >= hol["long_first"] for _, first in hol["shorts"]), hol
 
 
 def test_pinned_context_survives_the_tool_phase(runs):

@@ -250,7 +250,7 @@ def _complete(url: str, sid: str, timeout: float = 60, **xargs) -> httpx.Respons
 
 def test_window_gates_new_sessions_not_later_rounds(stack):
     with _sidecar(stack, "--admission", "on", "--min-window", "1", "--max-window", "1",
-                  "--max-queue", "1", "--admission-timeout", "1.5", "--idle-timeout", "6") as sc:
+                  "--max-queue", "1", "--admission-timeout", "3", "--idle-timeout", "9") as sc:
         assert _complete(sc.url, "w-a").status_code == 200
         waiting: dict = {}
         t = threading.Thread(target=lambda: waiting.update(r=_complete(sc.url, "w-b")))
@@ -272,10 +272,10 @@ def test_window_gates_new_sessions_not_later_rounds(stack):
         r = _complete(sc.url, "w-d")
         assert r.status_code == 503 and r.json()["error"]["type"] == "admission_timeout"
         assert "nothing progressed" in r.json()["error"]["message"]
-        assert "for 1.5 s" in r.json()["error"]["message"]
+        assert "for 3 s" in r.json()["error"]["message"]
         assert sc.state()["queued"] == 0
-        # w-b goes idle (6 s): its slot is reclaimed
-        assert _wait(lambda: sc.state()["admitted"] == 0, timeout_s=15)
+        # w-b goes idle (9 s): its slot is reclaimed
+        assert _wait(lambda: sc.state()["admitted"] == 0, timeout_s=30)
         sessions = httpx.get(sc.url + "/v1/mars/sessions").json()["sessions"]
         assert sessions == []
 
