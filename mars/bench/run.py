@@ -5,6 +5,11 @@ time, with a progress line every ``--progress-interval`` seconds, and record eve
 point (:mod:`mars.bench.record`). Ctrl-C stops the replays (which still write their partial
 results) and the servers; the tables are written from what finished and ``--resume``
 continues. Output layout and design choices: :mod:`mars.bench` and docs/bench.md.
+
+Past 600 lines on purpose: :class:`Bench` is one supervisor (the points in flight, their servers,
+the progress line and Ctrl-C share one lock and one set of child processes, and an interrupt
+must reach all of them); planning, records, reports, ideal latencies and worker processes are
+modules of their own.
 """
 
 from __future__ import annotations

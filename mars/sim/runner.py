@@ -27,6 +27,11 @@ which acts on the timeline). One engine runs exactly as before: its clock is the
 
 Liveness is checked, not assumed: a state where tasks wait and nothing runs or is due ends the
 run with :class:`SimError`, and so does a KV pool that does not balance at the end.
+
+Past 600 lines on purpose: the task loop, the engines' clocks and the liveness check act on one
+timeline, and the order of what happens around a step (deliveries, callbacks, the next step) is
+best read in one place. What has a job of its own is apart: the clock (:mod:`.clock`), the
+sidecar (:mod:`.control`), the tool cores (:mod:`.tools`), host memory (:mod:`.host`).
 """
 
 from __future__ import annotations

@@ -17,13 +17,11 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
-import threading
 
 from mars.policy.registry import POLICY_NAMES
-from mars.engine.serve import lifecycle
+from mars.engine.serve import front, lifecycle
 from mars.stream.publisher import rank_endpoint
 
 logger = logging.getLogger("mars.serve")
@@ -400,148 +398,11 @@ def _check_mars_config(policy: str, overrides: dict | None) -> None:
             raise SystemExit(f"mars-vllm: --mars-config {name}: {exc}") from None
 
 
-def bind_public(host: str, port: int) -> socket.socket:
-    """Listen on the public address now, before the engine loads, for the sidecar to inherit.
-
-    Bound by the sidecar itself, a taken port failed only after the engine had loaded, and
-    the engine went on serving on its loopback port with nothing in front of it: a server
-    that never answers (issue: the bench's parallel servers, whose ports are picked free a
-    few seconds before they are bound, hung 600 s in CI).
-    """
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        sock.bind(addr)
-        sock.listen(4096)
-    except OSError as exc:
-        raise SystemExit(f"mars-vllm: cannot listen on {host}:{port}: {exc.strerror or exc}"
-                         ) from None
-    sock.set_inheritable(True)
-    return sock
-
-
-#: set by the watcher when the sidecar failed while the engine was serving
-_sidecar_failed: int | None = None
-#: set once this process stops its sidecar itself (at exit): its end is then expected
-_stopping_sidecar = threading.Event()
-
-
-#: signals a sidecar dies of when it was asked to stop (uvicorn re-raises the one it caught)
-_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-
-
-def _watch_sidecar(proc, grace_s: float) -> None:
-    """Take the server down when its sidecar exits: the engine alone on its loopback port
-    serves nobody, and a supervisor sees a live process that never answers (a liveness
-    defect, not a degraded mode).
-
-    A sidecar that failed (an error status, a crash, SIGKILL) stops the engine at once and
-    makes the command exit 1. One stopped by a stop signal was usually stopped with us (the
-    process group's SIGTERM, Ctrl-C): we are draining already, and a second signal could
-    land in vLLM's teardown, so it waits for our own drain bound (``grace_s``) and signals
-    us only if we are still running by then (the sidecar alone was stopped)."""
-    global _sidecar_failed
-    code = proc.wait()
-    if _stopping_sidecar.is_set():
-        return
-    if code < 0 and -code in _STOP_SIGNALS:
-        if _stopping_sidecar.wait(grace_s):
-            return
-        print(f"mars-vllm: the sidecar was stopped (signal {-code}); stopping the engine too",
-              file=sys.stderr, flush=True)
-    else:
-        _sidecar_failed = code
-        print(f"mars-vllm: the sidecar exited with status {code} (see its lines above); "
-              "shutting the engine down", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _interrupt_startup(*_) -> None:
     """SIGTERM before vLLM's server runs (it installs the same handler, then uvicorn's):
     unwind the start-up, so that the engine processes already spawned are stopped and the
     command exits with its own status -- 1 when the sidecar failed."""
     raise KeyboardInterrupt("terminated")
-
-
-def start_sidecar(args: argparse.Namespace):
-    """Start ``mars sidecar`` on the public --host/--port and move the engine behind it.
-
-    Mutates ``args`` (host, port) so vLLM serves on 127.0.0.1:--engine-port. The engine
-    events endpoint was already derived from the public port, so ``mars events tail --port``
-    keeps working. The child dies with us: the sidecar asks the kernel for SIGTERM on our
-    death (``--parent-pid``) and we terminate it at exit.
-    """
-    import atexit
-    import subprocess
-
-    from mars.launch import free_port
-    from mars.policy.registry import get_policy
-
-    public_host = args.host or "0.0.0.0"
-    public_port = args.port
-    listener = bind_public(public_host, public_port)
-    engine_port = args.engine_port or free_port()
-    admission = "on" if get_policy(args.policy).sidecar_admission else "off"
-    cmd = [sys.executable, "-m", "mars.cli.sidecar", "--upstream", f"http://127.0.0.1:{engine_port}",
-           "--host", public_host, "--port", str(public_port), "--admission", admission,
-           "--listen-fd", str(listener.fileno()),
-           "--engine-events", args.mars_events_endpoint, "--parent-pid", str(os.getpid()),
-           # a SIGTERM to the process group reaches both: the sidecar keeps relaying the
-           # streams the engine drains, a little longer than the engine takes
-           "--drain-timeout", str(int(getattr(args, "shutdown_timeout", 0) or 0) + 5)]
-    if getattr(args, "block_size", None):
-        cmd += ["--admission-config", json.dumps({"packing": {"block_size": args.block_size}})]
-    try:
-        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
-    except ValueError as exc:
-        raise SystemExit(f"mars-vllm: --sidecar-args is not JSON: {exc}") from None
-    if not isinstance(extra, dict):
-        raise SystemExit("mars-vllm: --sidecar-args must be a JSON object of sidecar options")
-    for key, value in extra.items():  # later flags win, so these override the defaults above
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
-        if value is True:
-            cmd.append(flag)
-        elif value not in (False, None):
-            cmd += [flag, value if isinstance(value, str) else json.dumps(value)]
-    if getattr(args, "mars_open_metrics", False):
-        cmd.append("--open-metrics")
-    if getattr(args, "tool_cores", None):
-        cmd += ["--tool-cores", str(args.tool_cores)]
-    dp = _dp_size(args)
-    if dp > 1:  # vLLM's engines behind one API server: the sidecar places sessions on them
-        cmd += ["--data-parallel-size", str(dp)]
-    # keys travel in the environment, not argv (``ps`` shows argv to every local user)
-    env = dict(os.environ)
-    if getattr(args, "api_key", None):
-        from mars.sidecar.auth import KEYS_ENV
-
-        env[KEYS_ENV] = "\n".join(args.api_key)
-    if getattr(args, "mars_events_api_key", None):
-        from mars.sidecar.auth import EVENTS_KEYS_ENV
-
-        env[EVENTS_KEYS_ENV] = args.mars_events_api_key
-    proc = subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),))
-    listener.close()  # the sidecar holds it now
-
-    def _stop() -> None:
-        _stopping_sidecar.set()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    atexit.register(_stop)
-    grace = float(getattr(args, "shutdown_timeout", 0) or 0) + 10.0
-    threading.Thread(target=_watch_sidecar, args=(proc, grace), name="mars-sidecar-watch",
-                     daemon=True).start()
-    args.host, args.port = "127.0.0.1", engine_port
-    print(f"mars: sidecar on {public_host}:{public_port} (admission {admission}, pid {proc.pid})"
-          f" -> engine on 127.0.0.1:{engine_port}", file=sys.stderr, flush=True)
-    return proc
 
 
 def build_parser():
@@ -619,20 +480,20 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _interrupt_startup)
     if not args.no_sidecar and not getattr(args, "uds", None) \
             and not getattr(args, "headless", False):
-        start_sidecar(args)
+        front.start_sidecar(args, _dp_size(args))
     logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)
     try:
         args.dispatch_function(args)
     except KeyboardInterrupt:
-        if _sidecar_failed is None:  # a stop asked for during start-up: as vLLM alone
+        if front.sidecar_failed() is None:  # a stop asked for during start-up: as vLLM alone
             raise
-    _stopping_sidecar.set()
+    front.stopping_sidecar()
     if lifecycle.engine_died():
         print("mars-vllm: the engine died; exiting with status 1 so that a supervisor "
               "restarts the server", file=sys.stderr, flush=True)
-    sys.exit(1 if _sidecar_failed is not None else lifecycle.exit_status())
+    sys.exit(1 if front.sidecar_failed() is not None else lifecycle.exit_status())
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ rounds of a session recently observed (:class:`RoundGaps`: a session's last sign
 to its next request, as the sidecar forwards it or else as the engine submits it); it counts
 again with its next call. The yardstick is measured, not set: agents who pause minutes
 between rounds wait minutes.
+
+Past 600 lines on purpose: :class:`BalanceAndAdmit` is one transaction over the queue, the window
+and the packing room, and its dry run (``would_admit``) and transfers must read that state as a
+step does; the window (:mod:`.window`), the packer (:mod:`.packing`) and the pressure signals
+(:mod:`.pressure`) are modules of their own.
 """
 
 from __future__ import annotations
