@@ -1,6 +1,6 @@
 """What scraping ``/metrics`` costs a sidecar under overload, measured side by side in one run.
 
-    .venv/bin/python experiments/bench_metrics_scrape.py [--streams 200] [--rounds 1000]
+    .venv/bin/python experiments/bench_metrics_scrape.py [--streams 200] [--rounds 600]
         [--scrape-interval 1] [--layout shared|sidecar-core] [--json out.json]
 
 Starts one ``mars-vllm serve --policy mars --no-sidecar`` (embedded tiny model) and the
@@ -10,22 +10,27 @@ session's last round, and a finished one is replaced at once by a new session. T
 overload: more sessions than the window admits, so the sidecar queues some, relays the
 others' tokens, and folds every engine event into its metrics.
 
-Under that load a probe makes sequential 1-token calls through the sidecar, in blocks that
-alternate between *no scraper* and *a scraper* fetching the sidecar's ``/metrics`` every
-``--scrape-interval`` seconds (default 1 s; Prometheus's own default is one minute, its example
-configuration 15 s). The probe's session is admitted before the load starts, so it never
-waits in the queue. What the sidecar adds to a call is measured on that call itself: the
-sidecar's upstream is a byte relay (*the tap*, a process of its own) in front of the engine,
-which stamps when each probe call's request reaches it from the sidecar and when the first
-byte of its answer goes back; the probe stamps when it sent the call and when the first byte
-came back (one monotonic clock, the machine's). The added time is the first span less the
-second: the sidecar's reading, parsing, admission bookkeeping and forwarding both ways, and
-any wait on its event loop, and nothing of the engine. (An earlier version paired each call
-through the sidecar with one straight to the engine: under this overload a 1-token call waits
-for whichever CPU-engine step is running, the pairs' differences had a p90 of ~60 ms, and 500
-pairs pinned the median only to a few milliseconds.) The tap's own relaying is counted as the
-engine's, and its CPU shares the frontends' core with the sidecar, so if anything the sidecar
-measures slower here than without it. Then, still under
+Under that load a probe makes sequential 1-token calls, in blocks that alternate between *no
+scraper* and *a scraper* fetching the sidecar's ``/metrics`` every ``--scrape-interval``
+seconds (default 1 s; Prometheus's own default is one minute, its example configuration 15 s).
+The probe's session is admitted before the load starts, so it never waits in the queue. What
+the sidecar adds to a call is measured on that call itself: the sidecar's upstream is a byte
+relay (*the tap*, a process of its own) in front of the engine, which stamps when each probe
+call's request reaches it and when the first byte of its answer comes back from the engine;
+the probe stamps when it sent the call and when the first byte came back (one monotonic clock,
+the machine's). The first span less the second is *the sidecar's span*: its reading, parsing,
+admission bookkeeping and forwarding both ways, any wait on its event loop, and four socket
+hops (client to sidecar to tap, and back). A client of the engine alone pays two of them
+(client to engine and back), so each round pairs the call through the sidecar with one
+straight to the tap (*the control*, in alternating order): its span less the tap's is those
+two hops and the tap's own wake-ups, and the round's *sidecar added* is the sidecar's span
+less the control's, what the sidecar adds in a deployment (its work and one more hop each
+way). The probe keeps one keep-alive connection to each, as an OpenAI client's pool does.
+(Earlier versions paired each call with one straight to the engine, whose differences under
+this overload had a p90 of ~60 ms since a 1-token call waits for whichever CPU-engine step is
+running; then measured the sidecar's span alone over a fresh connection per call, charging the
+sidecar with the client's connection set-up and the tap's wake-ups: +1.3 ms at p50 nearly
+idle.) Then, still under
 the load, the sidecar's ``/metrics`` and vLLM's own (which the sidecar fetches and appends)
 are scraped back to back: the paired difference is what the sidecar adds to a scrape.
 
@@ -298,41 +303,90 @@ def _tap_main(cores: list[int] | None, stop, errors, port: int, upstream_port: i
     out.close()
 
 
-async def _probe_call(host: str, port: int, k: int) -> int:
-    """One 1-token call of the admitted probe session, marked ``k`` for the tap, over a
-    connection opened beforehand (as a keep-alive client's would be): nanoseconds from
-    sending it to its answer's first byte."""
-    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1,
-                       "user": f"tapmark-{k}", "vllm_xargs": {"job_id": "probe"}}).encode()
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        req = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-               % (host.encode(), len(body), body))
+class _KeepAlive:
+    """One HTTP/1.1 keep-alive connection, opened once, as an OpenAI client's pool keeps it:
+    a call on it pays no connect and no accept (a fresh connection per call charged the
+    sidecar's accept to the sidecar, which a client of the engine alone pays as well)."""
+
+    def __init__(self, host: str, port: int, fresh: bool = False) -> None:
+        self.host, self.port = host, port
+        #: a new connection for every call, opened just before it (``--connection fresh``,
+        #: the earlier method, for comparison)
+        self.fresh = fresh
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> "_KeepAlive":
+        if not self.fresh:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    async def call(self, k: int) -> int:
+        """One 1-token call of the admitted probe session, marked ``k`` for the tap:
+        nanoseconds from sending it to its answer's first byte. Reads the whole answer."""
+        import httptools
+
+        if self.fresh:
+            if self.writer is not None:
+                self.writer.close()
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None and self.writer is not None
+        body = json.dumps({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1,
+                           "user": f"tapmark-{k}", "vllm_xargs": {"job_id": "probe"}}).encode()
+        req = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+               b"\r\nContent-Length: %d\r\n\r\n%s" % (self.host.encode(), len(body), body))
+
+        class Reply:
+            done = False
+
+            def on_message_complete(self) -> None:
+                self.done = True
+
+        reply = Reply()
+        parser = httptools.HttpResponseParser(reply)
         t0 = time.monotonic_ns()
-        writer.write(req)
-        first = await reader.read(1 << 16)
+        self.writer.write(req)
+        data = await self.reader.read(1 << 16)
         t1 = time.monotonic_ns()
-        rest = [first]
-        while data := await reader.read(1 << 16):
-            rest.append(data)
-    finally:
-        writer.close()
-    if not first.startswith(b"HTTP/1.1 200"):
-        raise AssertionError(b"".join(rest)[:300])
-    return t1 - t0
+        while True:
+            if not data:
+                raise AssertionError("the connection closed before the answer ended")
+            parser.feed_data(data)
+            if reply.done:
+                break
+            data = await self.reader.read(1 << 16)
+        if parser.get_status_code() != 200:
+            raise AssertionError(f"probe call {k}: HTTP {parser.get_status_code()}")
+        return t1 - t0
 
 
-def probe(url: str, rounds: int, block: int, scraper: Scraper) -> dict[str, dict[int, int]]:
-    """Sequential marked calls through the sidecar, in blocks that alternate without / with
-    the scraper: phase -> mark -> nanoseconds to the first byte, as the probe saw them."""
+def probe(url: str, tap_port: int, rounds: int, block: int, scraper: Scraper,
+          fresh: bool = False) -> dict[str, dict[str, dict[int, int]]]:
+    """Sequential marked calls in pairs, in blocks that alternate without / with the scraper:
+    each pair is one call through the sidecar (even mark) and one straight to the tap (odd
+    mark; the control: what a client's own two socket hops to a relay cost, which the
+    sidecar's span also holds), in alternating order. Phase -> path -> mark -> nanoseconds to
+    the first byte, as the probe saw them."""
     host, port = urlsplit(url).hostname, urlsplit(url).port
-    out: dict[str, dict[int, int]] = {"off": {}, "on": {}}
-    for i in range(rounds):
-        phase = "on" if (i // block) % 2 else "off"
-        if (phase == "on") != scraper.on.is_set():
-            (scraper.on.set if phase == "on" else scraper.on.clear)()
-        out[phase][i] = asyncio.run(_probe_call(host, port, i))
+    out: dict[str, dict[str, dict[int, int]]] = {ph: {"sidecar": {}, "tap": {}}
+                                                 for ph in ("off", "on")}
+
+    async def run() -> None:
+        async with _KeepAlive(host, port, fresh) as side, \
+                _KeepAlive(host, tap_port, fresh) as tap:
+            for i in range(rounds):
+                phase = "on" if (i // block) % 2 else "off"
+                if (phase == "on") != scraper.on.is_set():
+                    (scraper.on.set if phase == "on" else scraper.on.clear)()
+                order = (("sidecar", side, 2 * i), ("tap", tap, 2 * i + 1))
+                for path, conn, k in (order if i % 2 == 0 else order[::-1]):
+                    out[phase][path][k] = await conn.call(k)
+
+    asyncio.run(run())
     scraper.on.clear()
     return out
 
@@ -343,8 +397,9 @@ def main() -> int:
                     help="streaming sessions kept in flight (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=64,
                     help="tokens per stream (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=1000,
-                    help="paired probe rounds in all, half of them with the scraper "
+    ap.add_argument("--rounds", type=int, default=600,
+                    help="probe rounds (a call through the sidecar and one straight to the "
+                         "tap) in all, half of them with the scraper "
                          "(default: %(default)s)")
     ap.add_argument("--block", type=int, default=25,
                     help="rounds per block; blocks alternate off / on (default: %(default)s)")
@@ -368,6 +423,13 @@ def main() -> int:
                          "the sidecar on the others with the tap and the probe at a higher "
                          "priority (nice -5), as on a GPU host whose frontends have cores to "
                          "spare (default: %(default)s)")
+    ap.add_argument("--connection", choices=("keep-alive", "fresh"), default="keep-alive",
+                    help="keep-alive: the probe keeps one connection to the sidecar and one to "
+                         "the tap, as an OpenAI client's pool does; fresh: a new connection "
+                         "per call, opened just before it (the earlier method: the sidecar's "
+                         "span then holds its accepting the connection, and the control "
+                         "the tap's connecting to the engine: read its sidecar's span column "
+                         "only) (default: %(default)s)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
     if args.streams < 1 or args.block < 1 or args.rounds < 2 * args.block:
@@ -414,7 +476,8 @@ def main() -> int:
                 time.sleep(10)  # the window fills, the queue forms
                 state = httpx.get(sidecar.url + "/v1/mars/state", timeout=30).json()
                 t0, done0 = time.perf_counter(), load.done
-                seen = probe(sidecar.url, args.rounds, args.block, sc)
+                seen = probe(sidecar.url, tap_port, args.rounds, args.block, sc,
+                             fresh=args.connection == "fresh")
                 elapsed, done1 = time.perf_counter() - t0, load.done
                 state_end = httpx.get(sidecar.url + "/v1/mars/state", timeout=30).json()
                 print(f"scrapes: {args.scrape_rounds} paired rounds ...", file=sys.stderr,
@@ -424,7 +487,8 @@ def main() -> int:
             time.sleep(0.5)  # (the tap's last lines)
             spans = tap.spans()
         tap_errors = tap.errors
-        missing = sum(1 for ph in seen.values() for k in ph if k not in spans)
+        missing = sum(1 for ph in seen.values() for path in ph.values() for k in path
+                      if k not in spans)
         if load.errors or scrape_errors or tap_errors or not scrapes or missing:
             print(f"load errors {load.errors}, scrape errors {scrape_errors}, tap errors "
                   f"{tap_errors}, scrapes {len(scrapes)}, probe calls the tap did not see "
@@ -434,8 +498,9 @@ def main() -> int:
         if sidecar is not None:
             sidecar.stop()
         server.stop()
-    lat = {ph: {"client_ns": [v[k] for k in sorted(v)],
-                "engine_ns": [spans[k] for k in sorted(v)]} for ph, v in seen.items()}
+    lat = {ph: {path: {"client_ns": [v[k] for k in sorted(v)],
+                       "engine_ns": [spans[k] for k in sorted(v)]} for path, v in paths.items()}
+           for ph, paths in seen.items()}
     res = {"latency_s": lat, "scrapes": scrapes, "scrape_pair_s": pair,
            "streams_done": done1 - done0, "elapsed_s": elapsed,
            "admitted_queued": [[state.get("admitted"), state.get("queued")],
@@ -451,13 +516,18 @@ def main() -> int:
 
 def render(res: dict) -> str:
     lat, args = res["latency_s"], res["args"]
-    rows = ["| scraper | calls | first byte p50 ms | engine's part p50 ms | sidecar added p50 ms "
-            "| added p90 ms | added p99 ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| scraper | calls | first byte p50 ms | engine's part p50 ms | sidecar's span p50 "
+            "ms | the control's p50 ms | sidecar added p50 ms | added p90 ms | added p99 ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for phase, label in (("off", "none"), ("on", f"every {args['scrape_interval']:g} s")):
-        c, e = lat[phase]["client_ns"], lat[phase]["engine_ns"]
-        added = [(a - b) / 1e6 for a, b in zip(c, e)]
-        rows.append(f"| {label} | {len(c)} | {statistics.median(c) / 1e6:.2f} | "
-                    f"{statistics.median(e) / 1e6:.2f} | {statistics.median(added):+.3f} | "
+        c, e = lat[phase]["sidecar"]["client_ns"], lat[phase]["sidecar"]["engine_ns"]
+        cc, ce = lat[phase]["tap"]["client_ns"], lat[phase]["tap"]["engine_ns"]
+        span = [(a - b) / 1e6 for a, b in zip(c, e)]
+        control = [(a - b) / 1e6 for a, b in zip(cc, ce)]
+        added = [s - t for s, t in zip(span, control)]  # round by round
+        rows.append(f"| {label} | {len(c)} + {len(cc)} | {statistics.median(c) / 1e6:.2f} | "
+                    f"{statistics.median(e) / 1e6:.2f} | {statistics.median(span):+.3f} | "
+                    f"{statistics.median(control):+.3f} | {statistics.median(added):+.3f} | "
                     f"{pct(added, 0.9):+.3f} | {pct(added, 0.99):+.3f} |")
     lat_s = [x[0] for x in res["scrapes"]]
     pair = res["scrape_pair_s"]
