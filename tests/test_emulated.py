@@ -104,9 +104,11 @@ def test_step_times_follow_the_model(emu):
     from mars.emulate.step_time import StepCoefficients, StepTimeModel
 
     def late_s(pred) -> float:
-        snaps = [e for e in read_events(emu.events_file) if e["kind"] == "kv_snapshot"
-                 and "emulated" in e and pred(e["ts"])]
-        return snaps[-1]["emulated"]["late_s"] if snaps else 0.0
+        """The pacer's running total of lateness, at the last snapshot matching ``pred``."""
+        snaps = wait_for_events(emu.events_file, lambda e: e["kind"] == "kv_snapshot"
+                                and "emulated" in e and pred(e["ts"]), 60)
+        assert snaps
+        return snaps[-1]["emulated"]["late_s"]
 
     prompt, out = 3000, 30
     r = httpx.post(emu.url + "/v1/completions", timeout=120, json={
@@ -120,8 +122,8 @@ def test_step_times_follow_the_model(emu):
         return evs[-1]["ts"]
 
     first, end = ev("gpu_1st_token"), ev("gpu_end")
-    # a snapshot is taken as a step is scheduled: one more step (a probe) shows the lateness
-    # of the request's last steps
+    # a snapshot is taken as a step is scheduled, and once more as the engine goes idle: one
+    # more call (a probe) makes one that shows the lateness of the request's last steps
     assert httpx.post(emu.url + "/v1/completions", timeout=120, json={
         "model": SERVED, "prompt": [5, 6, 7], "max_tokens": 1,
         "vllm_xargs": {"job_id": "pace-probe"}}).status_code == 200

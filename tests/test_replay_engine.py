@@ -88,14 +88,15 @@ def test_replay_measures_what_the_server_did(first_run):
             assert e["gpu_end"]["ts"] <= t0 + r.end_s + slack
 
     # vLLM's own e2e histogram counted exactly these requests, and the client's spans hold the
-    # server's (the client's excess, HTTP and sidecar proxying, depends on how busy the machine
-    # is, so it is not bounded here; what would be a gross error, tool time counted into a
-    # round, is checked from the stream below)
+    # server's. The client's excess (HTTP and sidecar proxying) depends on how busy the
+    # machine is (0.2 s a round once in CI), so it is bounded only loosely here; tool time
+    # counted into a round, the error a tight bound would catch, is checked from the stream
+    # below
     sm = res.server_metrics
     assert sm and sm["vllm:e2e_request_latency_seconds_count"] == len(rounds)
     server_mean = res.summary["server"]["mean_e2e_request_latency_s"]
     client_mean = res.summary["round_latency_s"]["mean"]
-    assert server_mean * 0.98 <= client_mean, (client_mean, server_mean)
+    assert server_mean * 0.98 <= client_mean <= server_mean + 2.0, (client_mean, server_mean)
 
     # tool events went to the sidecar and came back in the merged stream, and each tool ran
     # between its round's end and the next round's submit, never inside a round
