@@ -153,6 +153,9 @@ class RetentionPolicy(ABC):
     """
 
     name: str = "retention"
+    #: host memory holding released contexts (vLLM's offloading), once attached to a rule
+    #: that prices it (:meth:`prices_host_tier`)
+    host: "HostTier | None" = None
 
     @abstractmethod
     def admit(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
@@ -186,15 +189,24 @@ class RetentionPolicy(ABC):
     def observe_session(self, total_turns: int) -> None:
         """A session finished after ``total_turns`` rounds."""
 
+    def prices_host_tier(self) -> bool:
+        """Whether this rule prices a context's coming back over the host link (its config's
+        switch). Rules whose papers do not price that keep False (InferCept swaps and
+        Continuum-Dy prices the reload, as their papers do; MARS's rule does)."""
+        return False
+
     def attach_host_tier(self, tier: "HostTier") -> None:
         """The engine offloads KV to host memory (vLLM's ``--kv-offloading-size``): a
         released context can come back over the host link instead of being recomputed.
-        Rules whose papers do not price that ignore it (InferCept swaps and Continuum-Dy
-        prices the reload, as their papers do)."""
+        Kept as :attr:`host` by the rules that price it."""
+        if self.prices_host_tier():
+            self.host = tier
 
     def observe_host_read(self, nbytes: int, seconds: float) -> None:
         """Loads from host memory moved ``nbytes`` in ``seconds`` (waits for the link
-        included)."""
+        included): the attached tier's read rate."""
+        if self.host is not None:
+            self.host.observe_read(nbytes, seconds)
 
     def forget(self, session_id: str) -> None:
         """The adapter released the session's pin (resumed, expired, pressure)."""

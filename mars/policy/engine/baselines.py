@@ -21,7 +21,7 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.engine.base import (CallView, HostTier, KvPressure, OrderingPolicy, PinCandidate,
+from mars.policy.engine.base import (CallView, KvPressure, OrderingPolicy, PinCandidate,
                                      RetentionPolicy, reload_s)
 from mars.policy.engine.retention import PrefillRate, ToolDurationModel
 
@@ -335,15 +335,9 @@ class InferceptRetention(_OneShotRetention):
         self.config = cfg = config or InferceptConfig()
         super().__init__(durations or ToolDurationModel(cfg.max_samples, 1, cfg.prior_mean_s),
                          PrefillRate(cfg.prefill_tokens_per_s, cfg.prefill_ema_alpha))
-        self.host: HostTier | None = None
 
-    def attach_host_tier(self, tier: HostTier) -> None:
-        if self.config.swap:
-            self.host = tier
-
-    def observe_host_read(self, nbytes: int, seconds: float) -> None:
-        if self.host is not None:
-            self.host.observe_read(nbytes, seconds)
+    def prices_host_tier(self) -> bool:
+        return self.config.swap
 
     def break_even_s(self, cand: PinCandidate, kv: KvPressure) -> float:
         """The pin that wastes what the cheaper of discard and swap would."""
@@ -478,17 +472,10 @@ class ContinuumDyRetention(_OneShotRetention):
         #: how many admit decisions each rule made (reported per run)
         self.decisions = {"cold_start": 0, "dynamic": 0}
         self._last_rule: str | None = None
-        #: host memory holding released contexts (vLLM's offloading), when there is one
-        self.host: HostTier | None = None
 
     # ------------------------------------------------------------------ feeding
-    def attach_host_tier(self, tier: HostTier) -> None:
-        if self.config.offload:
-            self.host = tier
-
-    def observe_host_read(self, nbytes: int, seconds: float) -> None:
-        if self.host is not None:
-            self.host.observe_read(nbytes, seconds)
+    def prices_host_tier(self) -> bool:
+        return self.config.offload
 
     def observe_queue_delay(self, seconds: float) -> None:
         if seconds is not None and math.isfinite(seconds) and seconds >= 0:

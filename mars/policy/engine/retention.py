@@ -55,7 +55,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 
-from mars.policy.engine.base import (HostTier, KvPressure, MeasuredRate, PinCandidate,
+from mars.policy.engine.base import (KvPressure, MeasuredRate, PinCandidate,
                                      RetentionPolicy, reload_s)
 
 ALL_TOOLS = "*"
@@ -256,17 +256,10 @@ class CostBenefitRetention(RetentionPolicy):
         self._grid = tuple(sorted({t for t in cfg.tau_grid_s if t < cfg.max_tau_s}
                                   | {cfg.max_tau_s}))
         self._pins: dict[str, _PinDecision] = {}
-        #: host memory holding released contexts (vLLM's offloading), when there is one
-        self.host: HostTier | None = None
 
     # ------------------------------------------------------------------ feeding
-    def attach_host_tier(self, tier: HostTier) -> None:
-        if self.config.host_tier:
-            self.host = tier
-
-    def observe_host_read(self, nbytes: int, seconds: float) -> None:
-        if self.host is not None:
-            self.host.observe_read(nbytes, seconds)
+    def prices_host_tier(self) -> bool:
+        return self.config.host_tier
 
     def miss_s(self, cand: PinCandidate) -> float:
         """What a released context costs its next round: the recompute, or, when cheaper,
