@@ -303,10 +303,20 @@ def _tap_main(cores: list[int] | None, stop, errors, port: int, upstream_port: i
     out.close()
 
 
-class _KeepAlive:
-    """One HTTP/1.1 keep-alive connection, opened once, as an OpenAI client's pool keeps it:
-    a call on it pays no connect and no accept (a fresh connection per call charged the
-    sidecar's accept to the sidecar, which a client of the engine alone pays as well)."""
+class _Reply:
+    """httptools' callbacks for one answer: only its end matters."""
+
+    done = False
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+class _ProbeConnection:
+    """The probe's connection to one target: by default one HTTP/1.1 keep-alive connection,
+    opened once, as an OpenAI client's pool keeps it, so a call pays no connect and no accept
+    (a fresh connection per call charged the sidecar's accept to the sidecar, which a client
+    of the engine alone pays as well); ``fresh``: a new one per call."""
 
     def __init__(self, host: str, port: int, fresh: bool = False) -> None:
         self.host, self.port = host, port
@@ -316,7 +326,7 @@ class _KeepAlive:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def __aenter__(self) -> "_KeepAlive":
+    async def __aenter__(self) -> "_ProbeConnection":
         if not self.fresh:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         return self
@@ -339,14 +349,7 @@ class _KeepAlive:
                            "user": f"tapmark-{k}", "vllm_xargs": {"job_id": "probe"}}).encode()
         req = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
                b"\r\nContent-Length: %d\r\n\r\n%s" % (self.host.encode(), len(body), body))
-
-        class Reply:
-            done = False
-
-            def on_message_complete(self) -> None:
-                self.done = True
-
-        reply = Reply()
+        reply = _Reply()
         parser = httptools.HttpResponseParser(reply)
         t0 = time.monotonic_ns()
         self.writer.write(req)
@@ -376,8 +379,8 @@ def probe(url: str, tap_port: int, rounds: int, block: int, scraper: Scraper,
                                                  for ph in ("off", "on")}
 
     async def run() -> None:
-        async with _KeepAlive(host, port, fresh) as side, \
-                _KeepAlive(host, tap_port, fresh) as tap:
+        async with _ProbeConnection(host, port, fresh) as side, \
+                _ProbeConnection(host, tap_port, fresh) as tap:
             for i in range(rounds):
                 phase = "on" if (i // block) % 2 else "off"
                 if (phase == "on") != scraper.on.is_set():
