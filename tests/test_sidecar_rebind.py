@@ -19,9 +19,9 @@ from mars.sidecar.engines import EngineSet
 from mars.sidecar.metrics import SidecarMetrics
 
 
-def _set() -> tuple[EngineSet, list[dict]]:
-    cfg = SidecarConfig(upstream="http://127.0.0.1:1",
-                        upstreams=("http://127.0.0.1:1", "http://127.0.0.1:2"), admission=True)
+def _set(n: int = 2, placement: str = "mars") -> tuple[EngineSet, list[dict]]:
+    urls = tuple(f"http://127.0.0.1:{i + 1}" for i in range(n))
+    cfg = SidecarConfig(upstream=urls[0], upstreams=urls, admission=True, placement=placement)
     events: list[dict] = []
     es: EngineSet | None = None
 
@@ -50,7 +50,7 @@ async def _follow(es: EngineSet, sid: str) -> tuple[int, object]:
             return hops, await eng.control.acquire(sid, prompt_tokens=lambda: 100)
         except SessionRequeued:
             hops += 1
-            eng, _ = es.place(sid, lambda: 100)
+            eng = es.follow(sid, lambda: 100)
 
 
 def test_two_equal_engines_never_trade_a_queued_session():
@@ -112,9 +112,9 @@ def test_a_moved_session_is_admitted_where_it_went_and_cleaned_up_there(leaves):
 
 
 def _both_full(es: EngineSet) -> None:
-    """One session admitted on each engine, then both pools nearly full: a new session
+    """One session admitted on each engine, then every pool nearly full: a new session
     queues, and no engine would admit it."""
-    for r in range(2):
+    for r in range(len(es)):
         _pool(es, r, 900)
         es.router._where[f"h{r}"] = r
         es[r].control.core.arrive(f"h{r}", time.time())
@@ -151,6 +151,41 @@ def test_sessions_queued_at_an_engine_that_goes_down_move_with_their_waiters():
             if e["kind"] == "session_end" and e["session_id"] == "s"]
     assert ends == [("requeued", 0)]
     assert es.metrics.session_moves._value.get() == 1
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "vllm_dp"])
+def test_under_a_per_call_placer_too_a_dead_engines_queue_moves_and_is_served_there(
+        placement):
+    """The same under placers that choose anew for every call (they used to be left out:
+    the woken request placed its call again, and could leave the session admitted at the
+    engine it moved to for a third one). Three engines: the session queued at engine 0
+    moves to the one its placer picks, is admitted there, and its request follows it there
+    -- not to wherever the placer's next pick would be."""
+    async def main():
+        es, events = _set(3, placement)
+        _both_full(es)
+        es.router._where["s"] = 0
+        task = asyncio.ensure_future(_follow(es, "s"))
+        await asyncio.sleep(0)
+        assert es[0].control.queued == 1 and not task.done()
+        es.down(es[0])
+        to = es.router.engine_of("s")
+        assert to in (1, 2) and es[to].control.queued == 1 and es[0].control.queued == 0
+        assert es.router.moves == 1
+        es[to].control.end(es[to].control.sessions[f"h{to}"], "last_round")  # room there
+        _pool(es, to, 900)
+        es[to].control.step()
+        hops, s = await asyncio.wait_for(task, 5.0)
+        return es, events, to, hops, s
+
+    es, events, to, hops, s = asyncio.run(main())
+    assert hops == 1 and s.is_admitted and s.inflight == 1
+    assert es[to].control.sessions["s"] is s and es.router.engine_of("s") == to
+    assert es.router.switches == 0
+    assert [e.control.in_use for e in es.engines] == [1, 1, 1]  # h0, s at `to`, the other h
+    ends = [(e["reason"], e.get("engine")) for e in events
+            if e["kind"] == "session_end" and e["session_id"] == "s"]
+    assert ends == [("requeued", 0)]
 
 
 def test_with_no_engine_alive_the_queued_sessions_stay():

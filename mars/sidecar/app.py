@@ -222,7 +222,7 @@ class Sidecar:
                                 break
                             except SessionRequeued:
                                 # still queued, it moved to an engine that admits it now
-                                eng, _ = self.engines.place(sid, lambda: info.prompt_tokens)
+                                eng = self.engines.follow(sid, lambda: info.prompt_tokens)
                                 control = eng.control
                     except BaseException:  # refused (or the client left) before it began
                         self.engines.refused(eng, sid)

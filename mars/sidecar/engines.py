@@ -228,6 +228,16 @@ class EngineSet:
                 s.end_reason = reason
         return self.engines[d.rank], d
 
+    def follow(self, sid: str, prompt_tokens: Callable[[], int]) -> Engine:
+        """The engine a queued session was moved to and admitted at while its request waited
+        (late binding, or its engine found down): the request follows it there. Placement
+        is not asked again: a per-call placer would choose anew -- a third engine, perhaps
+        -- and leave the slot the session was admitted to unused until it expired."""
+        rank = self.router.engine_of(sid)
+        if rank is None:  # (ended meanwhile: placed as a new call)
+            return self.place(sid, prompt_tokens)[0]
+        return self.engines[rank]
+
     def _rebind(self, now: float) -> None:
         """After a control step: queued sessions move to an engine that would admit them
         now (MARS placement's late binding, :meth:`SessionRouter.rebind`), with the future
@@ -303,13 +313,12 @@ class EngineSet:
         (then fail at ``--admission-timeout``, minutes later). Each goes, with its arrival
         time and its waiting requests, to the engine placement picks among the alive ones,
         queued there (counted as a move, as an admitted session's is when its engine goes);
-        the engines that took some step at once. With no engine alive they stay: a session's
+        the engines that took some step at once. Its woken request follows it there
+        (:meth:`follow`), whatever the placer. With no engine alive they stay: a session's
         next call fails at once, saying so."""
         live = [x for x in self.engines if x.alive]
         queued = e.control.core.queued_sessions()
-        # Only for placers that keep a session on one engine: a per-call placer's woken
-        # waiter places its call again (app.py) and could send it to a third engine.
-        if not live or not queued or not self.router.placer.sticky:
+        if not live or not queued:
             return
         took: set[int] = set()
         moved = 0
