@@ -350,3 +350,46 @@ def test_autellix_forgets_a_program_when_its_session_ends():
     assert pol.num_programs == 1 and pol.program_service("s") == 500
     pol.on_session_end("s", 0.3)
     assert pol.num_programs == 0
+
+
+# ====================================================================== llm-d's retention hint
+
+
+def test_kv_hint_protects_marked_rounds_for_the_gap_quantile_whatever_the_pool():
+    """llm-d's rule: every marked round's whole context, for the 0.9 quantile of the marked
+    rounds' observed gaps; unmarked rounds (subagents) get nothing; the pool is never
+    looked at (a full pool with a queue still gets the protection)."""
+    from mars.policy.engine.hint import KvHintConfig, KvHintRetention
+
+    pol = KvHintRetention(KvHintConfig(tools=("task",)))
+    assert pol.name == "kv_hint"
+    # nothing seen yet: the 0.9 quantile of the exponential prior (mean 5 s)
+    assert pol.admit(cand("task"), kv(free=0, waiting=9_000), now=0.0) == \
+        pytest.approx(-math.log(0.1) * 5.0)
+    for d in range(1, 11):  # 1..10 s
+        pol.observe_tool("task", float(d))
+    pol.observe_tool("read", 1000.0)  # an unmarked tool's gap is not the marked queue's
+    assert pol.protection_s() == 9.0  # ceil(0.9 * 10) = 9th of 10
+    assert pol.admit(cand("task", session="m"), kv(free=0, waiting=9_000), now=0.0) == 9.0
+    assert pol.keep(cand("task", session="m"), kv(free=0), now=8.9) is True
+    assert pol.keep(cand("task", session="m"), kv(free=0), now=9.0) is False
+    assert pol.admit(cand("read", session="sub"), kv(free=9_000), now=0.0) == 0.0
+    # unconfigured: every round is marked
+    every = KvHintRetention()
+    every.observe_tool("read", 2.0)
+    assert every.admit(cand("read"), kv(free=0), now=0.0) == 2.0
+
+
+@pytest.mark.parametrize("bad,match", [({"quantile": 0.0}, "quantile"),
+                                       ({"quantile": 1.5}, "quantile"),
+                                       ({"tools": "task"}, "list of tool names"),
+                                       ({"tools": [1]}, "list of tool names")])
+def test_kv_hint_refuses_bad_settings(bad, match):
+    from mars.policy.engine.hint import KvHintConfig, KvHintRetention
+    from mars.policy.registry import with_config
+
+    with pytest.raises(ValueError, match=match):
+        KvHintConfig(**bad)
+    with pytest.raises(ValueError, match=match):  # as --mars-config gives them
+        with_config(KvHintRetention(), bad)
+    assert with_config(KvHintRetention(), {"tools": ["task"]}).config.tools == ("task",)

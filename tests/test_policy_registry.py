@@ -15,6 +15,7 @@ from mars.policy.engine.baselines import (
 )
 from mars.policy.engine.mlfq import WindowedMLFQ
 from mars.policy.registry import POLICY_NAMES, PolicySpec, get_policy
+from mars.policy.engine.hint import KvHintRetention
 from mars.policy.engine.retention import CostBenefitRetention
 
 EXPECTED = {
@@ -28,6 +29,7 @@ EXPECTED = {
     "infercept": (FcfsOrdering, InferceptRetention, False, True, False),
     "continuum": (ProgramFCFS, ContinuumRetention, False, True, False),
     "continuum_dy": (ProgramFCFS, ContinuumDyRetention, False, True, False),
+    "kv_hint": (FcfsOrdering, KvHintRetention, False, True, False),
 }
 
 

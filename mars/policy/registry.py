@@ -22,6 +22,7 @@ from mars.policy.engine.baselines import (
     InferceptRetention,
     ProgramFCFS,
 )
+from mars.policy.engine.hint import KvHintRetention
 from mars.policy.engine.mlfq import WindowedMLFQ
 from mars.policy.engine.retention import CostBenefitRetention
 
@@ -75,6 +76,9 @@ _SPECS: dict[str, PolicySpec] = {
         PolicySpec("continuum", ProgramFCFS, ContinuumRetention,
                    chunk_shrink=False, pin=True, sidecar_admission=False),
         PolicySpec("continuum_dy", ProgramFCFS, ContinuumDyRetention,
+                   chunk_shrink=False, pin=True, sidecar_admission=False),
+        # llm-d's whole-context retention hint (mars.policy.engine.hint) on vLLM's order
+        PolicySpec("kv_hint", FcfsOrdering, KvHintRetention,
                    chunk_shrink=False, pin=True, sidecar_admission=False),
     )
 }
