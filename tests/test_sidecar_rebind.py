@@ -14,7 +14,6 @@ import time
 import pytest
 
 from mars.sidecar.config import SidecarConfig
-from mars.sidecar.control import SessionRequeued
 from mars.sidecar.engines import EngineSet
 from mars.sidecar.metrics import SidecarMetrics
 
@@ -42,15 +41,12 @@ def _pool(es: EngineSet, rank: int, free: int) -> None:
 
 
 async def _follow(es: EngineSet, sid: str) -> tuple[int, object]:
-    """What app.py does: acquire where the session is placed, follow it when it moved."""
-    eng, _ = es.place(sid, lambda: 100)
-    hops = 0
-    while True:
-        try:
-            return hops, await eng.control.acquire(sid, prompt_tokens=lambda: 100)
-        except SessionRequeued:
-            hops += 1
-            eng = es.follow(sid, lambda: 100)
+    """What app.py does: acquire where the session is placed (``EngineSet.acquire``, which
+    follows it when it moved); 1 if it was admitted at another engine than placed."""
+    placed, _ = es.place(sid, lambda: 100)
+    eng, s = await es.acquire(placed, sid, prompt_tokens=lambda: 100)
+    assert eng.control.sessions.get(sid) is s
+    return int(eng is not placed), s
 
 
 def test_two_equal_engines_never_trade_a_queued_session():
@@ -186,6 +182,50 @@ def test_under_a_per_call_placer_too_a_dead_engines_queue_moves_and_is_served_th
     ends = [(e["reason"], e.get("engine")) for e in events
             if e["kind"] == "session_end" and e["session_id"] == "s"]
     assert ends == [("requeued", 0)]
+
+
+def test_a_moved_session_is_found_by_its_record_when_a_second_call_went_elsewhere():
+    """From a review: under a per-call placer a second call of the moved session, placed
+    while the first still waits, sends the router's record of the session to another
+    engine. The first call, woken where the session was admitted, must go there (it holds
+    the slot) -- not back to the dead engine it queued at, whose control plane would then
+    end the record that another engine still counts."""
+    async def main():
+        es, events = _set(3, "round_robin")
+        _both_full(es)
+        es.router._where["s"] = 0
+        first = asyncio.ensure_future(_follow(es, "s"))
+        await asyncio.sleep(0)
+        es.down(es[0])
+        to = es.router.engine_of("s")
+        other = ({1, 2} - {to}).pop()
+        es.router._where["s"] = other  # (what place() does for a concurrent call sent there)
+        es[to].control.end(es[to].control.sessions[f"h{to}"], "last_round")
+        _pool(es, to, 900)
+        es[to].control.step()
+        hops, s = await asyncio.wait_for(first, 5.0)
+        return es, to, hops, s
+
+    es, to, hops, s = asyncio.run(main())
+    assert hops == 1 and s.inflight == 1 and es[to].control.sessions["s"] is s
+    assert "s" not in es[0].control.sessions and not s.ended
+
+
+def test_a_followed_engine_that_died_meanwhile_is_not_called():
+    """The engine that admitted the moved session was found down before its request woke:
+    the request is placed again (an alive engine) rather than sent to a dead one."""
+    async def main():
+        es, _ = _set(3, "mars")
+        _both_full(es)
+        es.router._where["s"] = 0
+        es[0].control.core.arrive("s", time.time())  # queued at engine 0
+        moved = es[1].control
+        es.engines[1].alive = False
+        got = es.follow("s", moved, lambda: 100)
+        return es, got
+
+    es, got = asyncio.run(main())
+    assert got.alive and got.rank != 1
 
 
 def test_with_no_engine_alive_the_queued_sessions_stay():

@@ -56,8 +56,7 @@ from mars.policy.control.placement import LEAVING
 from mars.protocol.events import TOOL_KINDS, EventError, make_event
 from mars.sidecar.auth import Access, Authenticator
 from mars.sidecar.config import SidecarConfig
-from mars.sidecar.control import (AdmissionTimeout, ControlPlane, Session, SessionClosed,
-                                  SessionRequeued)
+from mars.sidecar.control import AdmissionTimeout, ControlPlane, Session, SessionClosed
 from mars.stream.engine_reader import EngineEventReader
 from mars.sidecar.errors import openai_error
 from mars.sidecar.hub import EventHub
@@ -213,20 +212,10 @@ class Sidecar:
                         retry_after=cfg.retry_after_s))
                 control = eng.control
                 try:
-                    try:
-                        while True:
-                            try:
-                                session = await control.acquire(
-                                    sid, one_shot=one_shot, last_round=info.last_round,
-                                    prompt_tokens=lambda: info.prompt_tokens)
-                                break
-                            except SessionRequeued:
-                                # still queued, it moved to an engine that admits it now
-                                eng = self.engines.follow(sid, lambda: info.prompt_tokens)
-                                control = eng.control
-                    except BaseException:  # refused (or the client left) before it began
-                        self.engines.refused(eng, sid)
-                        raise
+                    eng, session = await self.engines.acquire(
+                        eng, sid, one_shot=one_shot, last_round=info.last_round,
+                        prompt_tokens=lambda: info.prompt_tokens)
+                    control = eng.control
                 except QueueFull as exc:
                     self.metrics.queue_full.inc()
                     return self._answer(route, openai_error(

@@ -56,8 +56,13 @@ class SessionClosed(Exception):
 
 class SessionRequeued(Exception):
     """The session moved, while queued, to another engine's queue (MARS placement's late
-    binding, ``EngineSet._rebind``) and was admitted there: the request goes on at that
-    engine (its caller places the call again and acquires there, where it is admitted)."""
+    binding, ``EngineSet._rebind``; its engine found down, ``EngineSet._evacuate``) and was
+    admitted there: the request goes on at :attr:`owner`, the control plane that holds it
+    (``EngineSet.acquire`` follows it there and acquires again, admitted at once)."""
+
+    def __init__(self, message: str, owner: "ControlPlane") -> None:
+        super().__init__(message)
+        self.owner = owner
 
 
 class ControlPlane:
@@ -74,9 +79,9 @@ class ControlPlane:
         self._emit = emit
         self._on_ended_hook = on_ended
         self._after_step = after_step
-        #: the control plane that holds session ``sid`` now (several engines: a queued
+        #: the control plane that holds this session record now (several engines: a queued
         #: session may move to another engine's while its requests wait here); None: this
-        self.owner_of: Callable[[str], "ControlPlane | None"] = lambda sid: None
+        self.owner_of: Callable[[Session], "ControlPlane | None"] = lambda s: None
         self.core = AdmissionCore(
             CoreConfig(admission=config.admission,
                        admission_config=admission_config or config.admission_config,
@@ -155,7 +160,7 @@ class ControlPlane:
         self.kick()
 
     def _owner(self, s: Session) -> "ControlPlane":
-        cp = self.owner_of(s.id)
+        cp = self.owner_of(s)
         return cp if cp is not None and cp.core.sessions.get(s.id) is s else self
 
     # ------------------------------------------------------------------ requests
@@ -206,8 +211,9 @@ class ControlPlane:
                 s.waiting -= 1
                 raise
             s.waiting -= 1
-            if self._owner(s) is not self:
-                raise SessionRequeued(f"session {sid!r} was admitted at another engine")
+            owner = self._owner(s)
+            if owner is not self:
+                raise SessionRequeued(f"session {sid!r} was admitted at another engine", owner)
         core.forward(s, time.time(), last_round=last_round)
         return s
 

@@ -38,7 +38,7 @@ from mars.policy.control.placement import (LEAVING, Call, Decision, EngineTracke
                                            NoEngineError, SessionRouter, Waiting,
                                            make_placer)
 from mars.sidecar.config import SidecarConfig
-from mars.sidecar.control import ControlPlane, Session
+from mars.sidecar.control import ControlPlane, Session, SessionRequeued
 from mars.sidecar.metrics import SidecarMetrics
 from mars.sidecar.upstream import Upstream, make_upstream
 from mars.stream.engine_reader import EngineEventReader
@@ -228,15 +228,35 @@ class EngineSet:
                 s.end_reason = reason
         return self.engines[d.rank], d
 
-    def follow(self, sid: str, prompt_tokens: Callable[[], int]) -> Engine:
-        """The engine a queued session was moved to and admitted at while its request waited
-        (late binding, or its engine found down): the request follows it there. Placement
-        is not asked again: a per-call placer would choose anew -- a third engine, perhaps
-        -- and leave the slot the session was admitted to unused until it expired."""
-        rank = self.router.engine_of(sid)
-        if rank is None:  # (ended meanwhile: placed as a new call)
-            return self.place(sid, prompt_tokens)[0]
-        return self.engines[rank]
+    async def acquire(self, e: Engine, sid: str, **kw: Any) -> tuple[Engine, Session]:
+        """Session ``sid``'s call, placed on ``e``, waits for admission there
+        (:meth:`ControlPlane.acquire`, ``kw`` its arguments); if the session is moved while
+        it waits (late binding, or ``e`` found down) and admitted at another engine, the
+        call follows it there (:meth:`follow`). Returns the engine and the session. A call
+        refused before its session began (queue full, admission timeout, client gone) leaves
+        no placement behind (:meth:`refused`)."""
+        try:
+            while True:
+                try:
+                    return e, await e.control.acquire(sid, **kw)
+                except SessionRequeued as moved:
+                    e = self.follow(sid, moved.owner, kw.get("prompt_tokens"))
+        except BaseException:
+            self.refused(e, sid)
+            raise
+
+    def follow(self, sid: str, owner: ControlPlane,
+               prompt_tokens: Callable[[], int] | None) -> Engine:
+        """The engine whose control plane ``owner`` admitted session ``sid`` after it moved
+        there: the request follows the session record itself. Placement is not asked again
+        (a per-call placer would choose anew, a third engine perhaps, and leave the slot
+        the session was admitted to unused until it expired), nor the router (a concurrent
+        call of the same session may have sent it elsewhere since). If that engine is down
+        by now, the call is placed as any other."""
+        e = next((x for x in self.engines if x.control is owner), None)
+        if e is None or not e.alive:
+            return self.place(sid, prompt_tokens or (lambda: 0))[0]
+        return e
 
     def _rebind(self, now: float) -> None:
         """After a control step: queued sessions move to an engine that would admit them
@@ -282,9 +302,15 @@ class EngineSet:
         dst.take_queued(*got, src.hand_over(sid))
         return True
 
-    def _owner_of(self, sid: str) -> ControlPlane | None:
-        rank = self.router.engine_of(sid)
-        return self.engines[rank].control if rank is not None else None
+    def _owner_of(self, s: Session) -> ControlPlane | None:
+        """The control plane that holds session record ``s``: where the router places its
+        session, or, if a concurrent call of it was sent elsewhere since (a per-call placer),
+        the engine whose control plane still holds this very record."""
+        rank = self.router.engine_of(s.id)
+        if rank is not None and self.engines[rank].control.core.sessions.get(s.id) is s:
+            return self.engines[rank].control
+        return next((e.control for e in self.engines
+                     if e.control.core.sessions.get(s.id) is s), None)
 
     def refused(self, e: Engine, sid: str) -> None:
         """The call placed on ``e`` was refused before its session began there (queue full,
@@ -314,7 +340,7 @@ class EngineSet:
         time and its waiting requests, to the engine placement picks among the alive ones,
         queued there (counted as a move, as an admitted session's is when its engine goes);
         the engines that took some step at once. Its woken request follows it there
-        (:meth:`follow`), whatever the placer. With no engine alive they stay: a session's
+        (:meth:`acquire`), whatever the placer. With no engine alive they stay: a session's
         next call fails at once, saying so."""
         live = [x for x in self.engines if x.alive]
         queued = e.control.core.queued_sessions()
