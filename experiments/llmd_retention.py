@@ -71,6 +71,7 @@ def run(name: str, pool_blocks: int, trace=None) -> dict:
     try:
         res = sim.run(trace if trace is not None else scenario(), "load", name)
         pinned = sim.engine.scheduler.mars_cosched.pins.pinned_blocks
+        pins = sim.engine.scheduler.mars_counters["pinned"]
     finally:
         sim.close()
     s = res.summary
@@ -79,7 +80,8 @@ def run(name: str, pool_blocks: int, trace=None) -> dict:
             "tasks": s["tasks"]["total"],
             "hit": s["cached_fraction"]["later_rounds_token_weighted"],
             "mean": s["latency_s"]["mean"], "p90": s["latency_s"]["p90"], "ttft0": ttft0,
-            "recomputed": s["recomputed_context_tokens"], "pinned_at_end": pinned}
+            "recomputed": s["recomputed_context_tokens"], "pins": pins,
+            "pinned_at_end": pinned}
 
 
 def table(rows: list[dict]) -> str:
@@ -89,7 +91,8 @@ def table(rows: list[dict]) -> str:
     lru = {r["pool"]: r["hit"] for r in rows if r["policy"] == "fcfs"}
     for r in rows:
         base = lru.get(r["pool"])
-        vs = f"{(r['hit'] - base) * 100:+.2f} pt" if base is not None else "n/a"
+        diff = round((r["hit"] - base) * 100, 2) if base is not None else None
+        vs = "n/a" if diff is None else f"{diff:+.2f} pt" if diff else "±0.00 pt"
         out.append(f"| {r['pool']:,} | {r['policy']} | {r['hit']:.1%} | {vs} | {r['mean']:.1f} "
                    f"| {r['p90']:.1f} | {r['ttft0']:.2f} | {r['recomputed'] / 1e3:,.0f} |")
     return "\n".join(out)

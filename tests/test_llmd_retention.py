@@ -9,7 +9,8 @@ gaps, subagents re-read every 3 s, a pool that holds one or the other); every po
 through vLLM's real scheduler and KV manager on the emulated GPU, in virtual time
 (deterministic). The test fails if the scenario stops reproducing the finding (llm-d's rule
 not below LRU), if pins that yield oldest-first fall below LRU, or if MARS -- with its
-admission, or its in-engine rules alone -- does."""
+admission, or its in-engine rules alone -- does, at this pool (at the largest pool of the
+results table its in-engine rules alone are level with LRU: -0.02 points)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,7 @@ def test_whole_context_pins_lower_the_hit_rate_under_lrus_and_mars_does_not():
     # MARS: its in-engine rules alone (85.5 %), and with its admission (93.6 %)
     assert hit["mars_no_ctrl"] >= lru, hit
     assert hit["mars"] >= lru, hit
+    # ... each of them pinning (a rule that stopped pinning would match LRU, not beat it)
+    assert rows["fcfs"]["pins"] == 0
+    for name in ("kv_hint", "kv_hint_all", "mars", "mars_no_ctrl"):
+        assert rows[name]["pins"] > 0, rows[name]

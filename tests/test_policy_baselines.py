@@ -378,12 +378,22 @@ def test_kv_hint_protects_marked_rounds_for_the_gap_quantile_whatever_the_pool()
     every = KvHintRetention()
     every.observe_tool("read", 2.0)
     assert every.admit(cand("read"), kv(free=0), now=0.0) == 2.0
+    # the window holds the last max_samples marked gaps
+    small = KvHintRetention(KvHintConfig(quantile=1.0, max_samples=3))
+    assert small.protection_s() == math.inf  # q = 1 and nothing seen: until memory is needed
+    for d in (100.0, 1.0, 2.0, 3.0):
+        small.observe_tool("x", d)
+    assert small.protection_s() == 3.0  # 100 s left the window
 
 
 @pytest.mark.parametrize("bad,match", [({"quantile": 0.0}, "quantile"),
                                        ({"quantile": 1.5}, "quantile"),
+                                       ({"quantile": True}, "quantile"),
+                                       ({"max_samples": 0}, "max_samples"),
+                                       ({"max_samples": 2.5}, "max_samples"),
                                        ({"tools": "task"}, "list of tool names"),
-                                       ({"tools": [1]}, "list of tool names")])
+                                       ({"tools": [1]}, "list of tool names"),
+                                       ({"tools": []}, "mark no round")])
 def test_kv_hint_refuses_bad_settings(bad, match):
     from mars.policy.engine.hint import KvHintConfig, KvHintRetention
     from mars.policy.registry import with_config

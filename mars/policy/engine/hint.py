@@ -19,13 +19,15 @@ named by the tool its round ends with (``tools``; llm-d marked main-agent turns,
 tools wait on subagents); ``None`` marks every round. Not priced: every marked round is
 protected, whatever it holds and whatever the pool has. Chosen where llm-d is silent: the
 gap quantile is taken over the marked rounds' observed tool gaps (their producer watched
-the main queue only), and before any gap is seen the protection lasts the 0.9 quantile of
-:class:`ToolDurationModel`'s exponential prior.
+the main queue only), and before any gap is seen the protection lasts the same quantile of
+:class:`ToolDurationModel`'s exponential prior (mean 5 s: 11.5 s at 0.9).
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
+from collections import deque
 from dataclasses import dataclass
 
 from mars.policy.engine.base import KvPressure, PinCandidate
@@ -37,16 +39,25 @@ from mars.policy.engine.retention import PrefillRate, ToolDurationModel
 class KvHintConfig:
     #: the tools whose rounds the client marks (llm-d: main-agent turns); None: every round
     tools: tuple[str, ...] | None = None
-    #: the quantile of the marked rounds' gaps a protection lasts (llm-d's producer: 0.9)
+    #: the quantile of the marked rounds' gaps a protection lasts (llm-d's producer: 0.9;
+    #: 1: the longest gap seen, and until a gap is seen, until memory is needed)
     quantile: float = 0.9
+    #: the last this many marked gaps make the distribution
     max_samples: int = 512
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.quantile <= 1.0:
-            raise ValueError(f"quantile must be in (0, 1], got {self.quantile!r}")
+        q = self.quantile
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0:
+            raise ValueError(f"quantile must be a number in (0, 1], got {q!r}")
+        n = self.max_samples
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_samples must be an integer >= 1, got {n!r}")
         if self.tools is not None:
             if isinstance(self.tools, str) or not all(isinstance(t, str) for t in self.tools):
                 raise ValueError(f"tools must be a list of tool names, got {self.tools!r}")
+            if not self.tools:
+                raise ValueError("tools is empty: it would mark no round (plain LRU, as "
+                                 "--policy fcfs); leave it out to mark every round")
             object.__setattr__(self, "tools", tuple(self.tools))
 
 
@@ -57,25 +68,32 @@ class KvHintRetention(_OneShotRetention):
 
     def __init__(self, config: KvHintConfig | None = None) -> None:
         self.config = cfg = config or KvHintConfig()
-        # fed the marked rounds' gaps only: its all-tool distribution is theirs
-        super().__init__(ToolDurationModel(cfg.max_samples, 1), PrefillRate(10_000.0))
+        # the prior (before any marked gap) is the tool-duration model's own
+        super().__init__(ToolDurationModel(), PrefillRate(10_000.0))
+        #: the last ``max_samples`` marked gaps, and the same kept sorted
+        self._gaps: deque[float] = deque(maxlen=cfg.max_samples)
+        self._sorted: list[float] = []
 
     def marks(self, tool: str | None) -> bool:
         tools = self.config.tools
         return tools is None or tool in tools
 
     def protection_s(self) -> float:
-        """The predicted gap: the quantile of the marked rounds' observed gaps."""
-        q = self.config.quantile
-        gaps = self.durations.sorted_samples(None)
+        """The predicted gap: the quantile of the marked rounds' observed gaps (nearest
+        rank); before any, the quantile of the exponential prior."""
+        q, gaps = self.config.quantile, self._sorted
         if not gaps:
-            return -math.log(max(1e-12, 1.0 - q)) * self.durations.prior_mean_s \
-                if q < 1.0 else math.inf
+            return -math.log(1.0 - q) * self.durations.prior_mean_s if q < 1.0 else math.inf
         return gaps[min(len(gaps) - 1, max(0, math.ceil(q * len(gaps)) - 1))]
 
     def decide(self, cand: PinCandidate, kv: KvPressure, now: float) -> float:
         return self.protection_s() if self.marks(cand.tool) else 0.0
 
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
-        if self.marks(tool):
-            self.durations.observe(tool, duration_s)
+        if not self.marks(tool) or duration_s is None or not math.isfinite(duration_s) \
+                or duration_s < 0:
+            return
+        if len(self._gaps) == self._gaps.maxlen:
+            del self._sorted[bisect_left(self._sorted, self._gaps[0])]
+        self._gaps.append(float(duration_s))
+        insort(self._sorted, float(duration_s))
