@@ -15,6 +15,8 @@ the same inside policy.
 
     .venv/bin/python experiments/placement.py ILR-3 --rate 0.88 --engines 4 --num-tasks 100 \\
         --jobs 2 --static --out runs/placement-ILR-3-0.88
+    .venv/bin/python experiments/placement.py --trace runs/heldout4/burst-rate-0.48.jsonl \
+        --policies mars --placements mars,vllm_dp,session_hash --static --out runs/placement-burst
 
 Writes OUT/trace.jsonl, OUT/<policy>-<placement>/results.json (mars replay's schema; ``mars
 report`` reads them) and OUT/report.md. The ideal latencies (goodput) are each task alone
@@ -34,7 +36,7 @@ from pathlib import Path
 from mars.policy.control.placement import PLACERS
 from mars.workloads.generator import generate
 from mars.workloads.results import RunResult, read_results
-from mars.workloads.trace import Trace, write_trace
+from mars.workloads.trace import Trace, read_trace, write_trace
 
 GPU, MODEL = "h100-nvl", "qwen3-coder-30b-a3b"
 
@@ -95,8 +97,10 @@ def row(name: str, r: RunResult, base: RunResult | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("regime")
-    ap.add_argument("--rate", type=float, required=True, help="tasks/s for the whole node")
+    ap.add_argument("regime", nargs="?", help="ILR-1..4, S-ILR-1..3 (or --trace)")
+    ap.add_argument("--trace", help="a trace file instead of a regime (a held-out workload: "
+                    "experiments/heldout_workloads.py)")
+    ap.add_argument("--rate", type=float, help="tasks/s for the whole node (with a regime)")
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--num-tasks", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
@@ -112,9 +116,22 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if (args.regime is None) == (args.trace is None):
+        ap.error("give a regime (with --rate) or --trace FILE, not both")
+    if args.regime is not None and args.rate is None:
+        ap.error("a regime needs --rate")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = generate(args.regime, num_tasks=args.num_tasks, rate=args.rate, seed=args.seed)
+    if args.trace:
+        try:
+            trace = read_trace(args.trace)
+        except (OSError, ValueError) as exc:
+            ap.error(f"--trace {args.trace}: {exc}")
+        args.num_tasks = len(trace.tasks)
+        point = f"{Path(args.trace).name} ({trace.header.regime})"
+    else:
+        trace = generate(args.regime, num_tasks=args.num_tasks, rate=args.rate, seed=args.seed)
+        point = f"{args.regime} at {args.rate} tasks/s"
     tpath = out / "trace.jsonl"
     write_trace(trace, tpath)
     policies = [p for p in args.policies.split(",") if p]
@@ -130,7 +147,7 @@ def main() -> int:
         for k, p in enumerate(partition(trace, args.engines, out)):
             jobs[f"static-{k}"] = (p, out / f"static-{k}", "mars", 1, "mars",
                                    args.tool_cores // args.engines)
-    print(f"placement: {args.regime} at {args.rate} tasks/s, {args.num_tasks} tasks, "
+    print(f"placement: {point}, {args.num_tasks} tasks, "
           f"{args.engines} x EMULATED {args.gpu} x {args.model}, {len(jobs)} simulations",
           file=sys.stderr, flush=True)
     # the first alone: it simulates the ideal latencies (each task alone on one engine); the
@@ -148,7 +165,7 @@ def main() -> int:
     res = {k: read_results(p) for k, p in paths.items()}
     slacks = tuple(float(s) for s in res[next(iter(res))].config.get("slacks") or (2, 3, 5))
     lines = [f"SIMULATED, EMULATED GPU: {args.engines} x {args.gpu} x {args.model}, "
-             f"{args.regime} at {args.rate} tasks/s, {args.num_tasks} tasks, seed {args.seed}, "
+             f"{point}, {args.num_tasks} tasks, seed {args.seed}, "
              f"{args.tool_cores} tool cores shared", "",
              "| inside / placement | done | mean (s) | P90 (s) | goodput s=3 (tasks/s) | "
              "re-prefilled context (tokens) | moves | switches | mean vs mars placement |",
