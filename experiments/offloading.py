@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> None:
         out = Path(f"{args.out}-{v}")
         if (out / "report.md").exists():
             continue
+        out.parent.mkdir(parents=True, exist_ok=True)  # (its log sits beside it)
         policies = "mars" if v == "two" else args.policies
         point = ["--trace", args.trace] if args.trace else \
             [args.regime, "--rate", str(args.rate), "--num-tasks", str(args.num_tasks)]
