@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> None:
         point = ["--trace", args.trace] if args.trace else \
             [args.regime, "--rate", str(args.rate), "--num-tasks", str(args.num_tasks)]
         cmd = [sys.executable, "-m", "mars.cli", "sim", "run", *point, "--gpu", args.gpu,
+               "--model", args.model,
                "--policies", policies, "--engine-args", _engine_args(v, args.host_gib),
                "--seed", str(args.seed), "--ideal", "skip", "--jobs", str(args.jobs),
                "--no-progress", "--no-plots", "--out", str(out),
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-tasks", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu", default="h100-nvl")
+    ap.add_argument("--model", default="qwen3-coder-30b-a3b",
+                    help="the emulated model (gpt-oss-120b: the h100-gptoss preset's)")
     ap.add_argument("--policies", default="fcfs,continuum,continuum_dy,mars")
     ap.add_argument("--host-gib", type=float, default=128.0,
                     help="host memory for offloaded KV, GiB (--kv-offloading-size)")
