@@ -303,12 +303,8 @@ class EngineSet:
         return True
 
     def _owner_of(self, s: Session) -> ControlPlane | None:
-        """The control plane that holds session record ``s``: where the router places its
-        session, or, if a concurrent call of it was sent elsewhere since (a per-call placer),
-        the engine whose control plane still holds this very record."""
-        rank = self.router.engine_of(s.id)
-        if rank is not None and self.engines[rank].control.core.sessions.get(s.id) is s:
-            return self.engines[rank].control
+        """The control plane that holds session record ``s`` (not the router's engine of
+        its id: a concurrent call of a per-call placer may have sent that elsewhere)."""
         return next((e.control for e in self.engines
                      if e.control.core.sessions.get(s.id) is s), None)
 

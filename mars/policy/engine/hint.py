@@ -26,8 +26,6 @@ the main queue only), and before any gap is seen the protection lasts the same q
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
-from collections import deque
 from dataclasses import dataclass
 
 from mars.policy.engine.base import KvPressure, PinCandidate
@@ -61,6 +59,11 @@ class KvHintConfig:
             object.__setattr__(self, "tools", tuple(self.tools))
 
 
+#: the one key the marked rounds' gaps are kept under (their distribution is one queue's,
+#: as llm-d's producer watched the main agents' gaps together)
+MARKED = "marked"
+
+
 class KvHintRetention(_OneShotRetention):
     """Protect every marked round's whole context for the gap quantile (see the module)."""
 
@@ -68,11 +71,9 @@ class KvHintRetention(_OneShotRetention):
 
     def __init__(self, config: KvHintConfig | None = None) -> None:
         self.config = cfg = config or KvHintConfig()
-        # the prior (before any marked gap) is the tool-duration model's own
-        super().__init__(ToolDurationModel(), PrefillRate(10_000.0))
-        #: the last ``max_samples`` marked gaps, and the same kept sorted
-        self._gaps: deque[float] = deque(maxlen=cfg.max_samples)
-        self._sorted: list[float] = []
+        # the marked gaps under one key: its window holds the last max_samples of them;
+        # before any, the model's exponential prior
+        super().__init__(ToolDurationModel(cfg.max_samples, 1), PrefillRate(10_000.0))
 
     def marks(self, tool: str | None) -> bool:
         tools = self.config.tools
@@ -81,7 +82,7 @@ class KvHintRetention(_OneShotRetention):
     def protection_s(self) -> float:
         """The predicted gap: the quantile of the marked rounds' observed gaps (nearest
         rank); before any, the quantile of the exponential prior."""
-        q, gaps = self.config.quantile, self._sorted
+        q, gaps = self.config.quantile, self.durations.sorted_samples(MARKED)
         if not gaps:
             return -math.log(1.0 - q) * self.durations.prior_mean_s if q < 1.0 else math.inf
         return gaps[min(len(gaps) - 1, max(0, math.ceil(q * len(gaps)) - 1))]
@@ -90,10 +91,5 @@ class KvHintRetention(_OneShotRetention):
         return self.protection_s() if self.marks(cand.tool) else 0.0
 
     def observe_tool(self, tool: str | None, duration_s: float) -> None:
-        if not self.marks(tool) or duration_s is None or not math.isfinite(duration_s) \
-                or duration_s < 0:
-            return
-        if len(self._gaps) == self._gaps.maxlen:
-            del self._sorted[bisect_left(self._sorted, self._gaps[0])]
-        self._gaps.append(float(duration_s))
-        insort(self._sorted, float(duration_s))
+        if self.marks(tool):
+            self.durations.observe(MARKED, duration_s)
