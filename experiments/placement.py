@@ -42,11 +42,12 @@ GPU, MODEL = "h100-nvl", "qwen3-coder-30b-a3b"
 
 
 def sim(trace: Path, out: Path, policy: str, engines: int, placement: str, tool_cores: int,
-        args: argparse.Namespace, ideal: str = "auto") -> Path:
+        args: argparse.Namespace, ideal: str = "auto", cpu_budget: str = "node") -> Path:
     cmd = [sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace), "--ideal", ideal,
            "--gpu", args.gpu, "--model", args.model, "--policies", policy, "--flat",
            "--out", str(out), "--seed", str(args.seed), "--tool-cores", str(tool_cores),
-           "--engines", str(engines), "--placement", placement, "--no-plots", "--no-progress"]
+           "--engines", str(engines), "--placement", placement, "--cpu-budget", cpu_budget,
+           "--no-plots", "--no-progress"]
     t0 = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode not in (0, 3):  # 3: some task failed (reported in the table)
@@ -111,6 +112,9 @@ def main() -> int:
                          "engine of 4, as the single-GPU set-up's 8)")
     ap.add_argument("--policies", default="mars,fcfs", help="inside policies (default mars,fcfs)")
     ap.add_argument("--placements", default=",".join(sorted(PLACERS)))
+    ap.add_argument("--cpu-budgets", default="node",
+                    help="how the engines' control planes count the tool cores: node "
+                         "(shared), split (an equal share each), or both: node,split")
     ap.add_argument("--static", action="store_true",
                     help="also the ideal static partition (MARS inside)")
     ap.add_argument("--jobs", type=int, default=2)
@@ -136,11 +140,16 @@ def main() -> int:
     write_trace(trace, tpath)
     policies = [p for p in args.policies.split(",") if p]
     placements = [p for p in args.placements.split(",") if p]
+    budgets = [b for b in args.cpu_budgets.split(",") if b]
+
+    def key(pol: str, pl: str, b: str) -> str:
+        return f"{pol}-{pl}" + ("" if b == "node" else f"-{b}")
     jobs: dict[str, tuple] = {}
-    for pol in policies:
-        for pl in placements:
-            jobs[f"{pol}-{pl}"] = (tpath, out / f"{pol}-{pl}", pol, args.engines, pl,
-                                   args.tool_cores)
+    for b in budgets:
+        for pol in policies:
+            for pl in placements:
+                k = key(pol, pl, b)
+                jobs[k] = (tpath, out / k, pol, args.engines, pl, args.tool_cores, b)
     if args.static:
         if args.tool_cores % args.engines:
             raise SystemExit("--static: --tool-cores must divide evenly over the engines")
@@ -153,27 +162,31 @@ def main() -> int:
     # the first alone: it simulates the ideal latencies (each task alone on one engine); the
     # others read them from the cache, the static parts from a file (their traces differ)
     first = next(iter(jobs))
-    paths = {first: sim(*jobs[first], args)}
+    def run(k: str, ideal: str = "auto") -> Path:
+        tp, o, pol, n, pl, cores, *b = jobs[k]
+        return sim(tp, o, pol, n, pl, cores, args, ideal, *b)
+    paths = {first: run(first)}
     ideal = out / "ideal.json"
     ideal.write_text(json.dumps({t.task_id: t.ideal_s for t in read_results(paths[first]).tasks
                                  if t.ideal_s is not None}))
     rest = [k for k in jobs if k != first]
     with ThreadPoolExecutor(args.jobs) as ex:
         paths.update(zip(rest, ex.map(
-            lambda k: sim(*jobs[k], args, str(ideal) if k.startswith("static-") else "auto"),
-            rest)))
+            lambda k: run(k, str(ideal) if k.startswith("static-") else "auto"), rest)))
     res = {k: read_results(p) for k, p in paths.items()}
     slacks = tuple(float(s) for s in res[next(iter(res))].config.get("slacks") or (2, 3, 5))
     lines = [f"SIMULATED, EMULATED GPU: {args.engines} x {args.gpu} x {args.model}, "
              f"{point}, {args.num_tasks} tasks, seed {args.seed}, "
-             f"{args.tool_cores} tool cores shared", "",
+             f"{args.tool_cores} tool cores on the host", "",
              "| inside / placement | done | mean (s) | P90 (s) | goodput s=3 (tasks/s) | "
              "re-prefilled context (tokens) | moves | switches | mean vs mars placement |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for pol in policies:
-        base = res.get(f"{pol}-mars")
-        for pl in placements:
-            lines.append(row(f"{pol} / {pl}", res[f"{pol}-{pl}"], base))
+    for b in budgets:
+        for pol in policies:
+            base = res.get(key(pol, "mars", b))
+            for pl in placements:
+                label = f"{pol} / {pl}" + (f" / cpu {b}" if len(budgets) > 1 else "")
+                lines.append(row(label, res[key(pol, pl, b)], base))
     if args.static:
         st = pooled([res[f"static-{k}"] for k in range(args.engines)], slacks)
         lines.append(row("mars / ideal static partition", st, res.get("mars-mars")))

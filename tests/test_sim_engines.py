@@ -5,7 +5,7 @@ One trace, simulated on two engines under MARS's placement (sticky) and under ro
 (per call): the events of every engine reach the stream in time order and tagged with their
 engine, every round of a session runs on one engine under MARS's placement, both engines
 serve, each engine's control plane sees only its own sessions and the host's tool cores are
-shared; round robin sends a session's rounds to both engines, which is counted and costs the
+shared (each reads the other's running tools); round robin sends a session's rounds to both engines, which is counted and costs the
 cache hits the sticky placement keeps. KV conservation and liveness are checked by the
 simulator itself on every engine."""
 
@@ -23,18 +23,19 @@ GPU, MODEL = "h100-nvl", "qwen3-coder-30b-a3b"
 
 
 def _run(placement: str, trace, tmp_path, sync: bool = False, extra: tuple = (),
-         name: str = ""):
+         name: str = "", cpu_budget: str = "node"):
     from mars.sim.runner import SimConfig, Simulation
     from mars.workloads.eventlink import read_events
 
     path = tmp_path / f"events-{placement}-{sync}{name}.jsonl"
     sim = Simulation(SimConfig(GPU, MODEL, "mars", progress=False, engines=2,
-                               placement=placement,
+                               placement=placement, cpu_budget=cpu_budget,
                                engine_args=(("--no-async-scheduling",) if sync else ()) + extra),
                      events_path=path)
     try:
         res = sim.run(trace, "load", placement)
-        cores = [ln.control.sidecar.admission_config.pressure.tool_cores for ln in sim.lanes]
+        cores = [(ln.control.sidecar.admission_config.pressure.tool_cores,
+                  ln.control.pressure.other_tools is not None) for ln in sim.lanes]
         pins = [set(ln.engine.scheduler.mars_cosched.pins.sessions()) for ln in sim.lanes]
     finally:
         sim.close()
@@ -49,6 +50,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sim-engines")
     runs = {p: _run(p, trace, tmp) for p in ("mars", "round_robin")}
     runs["mars-sync"] = _run("mars", trace, tmp, sync=True)  # vLLM's sync scheduler class
+    runs["mars-split"] = _run("mars", trace, tmp, name="-split", cpu_budget="split")
     # a heavier trace on smaller pools: sessions queue at their engines' doors, and some
     # move to the other engine when it can admit them first (late binding)
     tight = generate("ILR-3", num_tasks=12, rate=1.0, seed=0)
@@ -80,9 +82,18 @@ def test_each_session_stays_on_one_engine_and_both_serve(runs, which):
     assert len(where) == len(trace)
     assert all(len(ranks) == 1 for ranks in where.values()), where
     assert {r for ranks in where.values() for r in ranks} == {0, 1}
-    # the host's 8 tool cores are shared: each engine's CPU cap counts half
-    assert cores == [4.0, 4.0]
+    # the host's 8 tool cores are shared: each engine's control plane counts all of them
+    # and reads the other's running tools (--cpu-budget node, the default)
+    assert res.server["cpu_budget"] == "node" and cores == [(8.0, True), (8.0, True)]
     assert pins == [set(), set()]  # every pin came back on both engines
+
+
+def test_the_split_cpu_budget_gives_each_engine_half_the_cores(runs):
+    traces, got = runs
+    res, _, cores, pins = got["mars-split"]
+    assert res.summary["tasks"]["completed"] == len(traces["mars-split"])
+    assert res.server["cpu_budget"] == "split"
+    assert cores == [(4.0, False), (4.0, False)] and pins == [set(), set()]
 
 
 @pytest.mark.parametrize("which", ["mars", "mars-sync", "round_robin", "mars-tight"])

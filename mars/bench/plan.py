@@ -75,6 +75,8 @@ class BenchConfig:
     #: them (``mars sim run --engines N --placement P``)
     engines: int = 1
     placement: str = "mars"
+    #: how their control planes count the host's tool cores (``--cpu-budget``)
+    cpu_budget: str = "node"
     #: rates of particular regimes (a preset's), instead of ``rates``
     regime_rates: dict[str, list[float]] = field(default_factory=dict)
     #: the preset this bench was made from (``--preset``), for the report
@@ -100,8 +102,8 @@ class BenchConfig:
                 "sim": self.sim, "sim_profile_sha256": self._profile_digest(),
                 "regime_rates": self.regime_rates,
                 # (absent with one engine: benches from before several engines resume)
-                **({"engines": self.engines, "placement": self.placement}
-                   if self.engines > 1 else {})}
+                **({"engines": self.engines, "placement": self.placement,
+                    "cpu_budget": self.cpu_budget} if self.engines > 1 else {})}
 
     def _profile_digest(self) -> str | None:
         """A device profile's content: re-calibrated at the same path, its points differ."""
@@ -286,7 +288,8 @@ def sim_argv(cfg: BenchConfig, trace: Path, p: Point, ideal: str) -> list[str]:
     if cfg.server_args:
         cmd += ["--engine-args", shlex.join(cfg.server_args)]
     if cfg.engines > 1:
-        cmd += ["--engines", str(cfg.engines), "--placement", cfg.placement]
+        cmd += ["--engines", str(cfg.engines), "--placement", cfg.placement,
+                "--cpu-budget", cfg.cpu_budget]
     if cfg.ideal_cache:
         cmd += ["--ideal-cache", cfg.ideal_cache]
     if not cfg.run_plots:

@@ -97,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
         run_plots=not args.no_run_plots, progress_interval=args.progress_interval,
         resume=args.resume, sim=args.sim, engines=args.engines, placement=args.placement,
+        cpu_budget=args.cpu_budget,
         regime_rates={r: preset.rates(r) for r in regimes} if preset else {},
         preset=preset.name if preset else None)
 

@@ -16,6 +16,7 @@ import sys
 
 from mars.policy.control.admission import AdmissionConfig
 from mars.policy.control.placement import PLACERS
+from mars.policy.control.pressure import CPU_BUDGETS
 from mars.sidecar.auth import EVENTS_KEYS_ENV, KEYS_ENV
 from mars.sidecar.config import (
     SidecarConfig,
@@ -62,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(least prefill work and recompute, sessions stay), vllm_dp (vLLM's "
                         "DP balancer, per call), round_robin, session_hash, kv_overlap "
                         "(Dynamo's cost, per call) (default: %(default)s)")
+    p.add_argument("--cpu-budget", default="node", choices=CPU_BUDGETS,
+                   help="with several engines on one host: node (their control planes share "
+                        "the host's tool cores, each reading the others' running tools) or "
+                        "split (each counts an equal share of the cores) (default: "
+                        "%(default)s)")
     g = p.add_argument_group("admission")
     g.add_argument("--max-queue", type=int, default=None,
                    help="sessions that may wait; beyond that 429 (default: 1024)")
@@ -162,7 +168,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     urls, first, events = _upstreams(args)
     return SidecarConfig(
         upstream=urls[0], upstreams=urls, engines_events=events,
-        placement=args.placement, data_parallel_size=args.data_parallel_size,
+        placement=args.placement, cpu_budget=args.cpu_budget,
+        data_parallel_size=args.data_parallel_size,
         host=args.host, port=args.port, admission=args.admission,
         admission_config=admission_config_from_args(args), engine_events=first,
         events_file=args.events_file, admission_timeout_s=args.admission_timeout,

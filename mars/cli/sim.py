@@ -103,6 +103,7 @@ def point_config(args: argparse.Namespace, policy: str, engines: int | None = No
                      profile=args.profile,
                      engines=getattr(args, "engines", 1) if engines is None else engines,
                      placement=getattr(args, "placement", "mars"),
+                     cpu_budget=getattr(args, "cpu_budget", "node"),
                      admission_config=getattr(args, "admission_json", "") or "")
 
 

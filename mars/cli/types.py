@@ -101,6 +101,7 @@ def add_request_timeout(p: argparse.ArgumentParser) -> None:
 def add_engines(p: argparse.ArgumentParser) -> None:
     """``--engines`` / ``--placement``: several engines of the model behind one sidecar."""
     from mars.policy.control.placement import PLACERS
+    from mars.policy.control.pressure import CPU_BUDGETS
 
     p.add_argument("--engines", type=positive_int, default=1, metavar="N",
                    help="engines of the model (vLLM data parallelism), each its own emulated "
@@ -108,3 +109,7 @@ def add_engines(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=sorted(PLACERS), default="mars",
                    help="how the sidecar places sessions on the engines (with --engines > 1; "
                         "default mars; docs/control_plane.md)")
+    p.add_argument("--cpu-budget", choices=CPU_BUDGETS, default="node",
+                   help="with --engines > 1: the engines' control planes share the host's "
+                        "tool cores (node) or each counts an equal share (split) (default "
+                        "node; docs/control_plane.md)")

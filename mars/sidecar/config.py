@@ -20,7 +20,7 @@ from mars.policy.control.admission import AdmissionConfig
 from mars.policy.control.packing import PackConfig
 from mars.policy.control.placement import PLACERS
 from mars.stream.publisher import rank_endpoint
-from mars.policy.control.pressure import PressureConfig
+from mars.policy.control.pressure import CPU_BUDGETS, PressureConfig
 from mars.policy.control.window import AIMDConfig
 
 #: AdmissionConfig's nested configurations, by their key in an override object
@@ -108,6 +108,9 @@ class SidecarConfig:
     engines_events: tuple[str, ...] = ()
     #: which engine a new session goes to (mars.policy.control.placement.PLACERS)
     placement: str = "mars"
+    #: several engines: their control planes share the host's tool cores ("node") or each
+    #: counts an equal share of them ("split"; mars.policy.control.pressure.NodeTools)
+    cpu_budget: str = "node"
     #: N > 1: the one upstream is a ``--data-parallel-size N`` server, its engines addressed
     #: by vLLM's ``X-data-parallel-rank`` header, each publishing its events on its own
     #: endpoint (mars.stream.publisher.rank_endpoint of ``engine_events``)
@@ -207,6 +210,9 @@ class SidecarConfig:
         if self.placement not in PLACERS:
             raise ValueError(f"unknown placement {self.placement!r}; choose one of "
                              f"{', '.join(sorted(PLACERS))}")
+        if self.cpu_budget not in CPU_BUDGETS:
+            raise ValueError(f"unknown cpu budget {self.cpu_budget!r}; choose one of "
+                             f"{', '.join(CPU_BUDGETS)}")
         for name in ("admission_timeout_s", "idle_timeout_s", "step_interval_s",
                      "window_heartbeat_s", "bytes_per_token", "connect_timeout_s",
                      "flush_interval_s", "sse_keepalive_s"):

@@ -28,6 +28,7 @@ from typing import Any
 
 from mars.policy.control.admission import AdmissionConfig, QueueFull
 from mars.policy.control.packing import QueuedSession
+from mars.policy.control.pressure import DualPressureState
 from mars.policy.control.admission_core import (OBSERVED_KINDS, STEP_KINDS, AdmissionCore,
                                          CoreConfig, Listener, SessionState)
 from mars.sidecar.config import SidecarConfig
@@ -96,6 +97,12 @@ class ControlPlane:
         self._last_step = 0.0
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def pressure(self) -> DualPressureState:
+        """The dual-pressure state this engine's admission reads (shared host: joined to the
+        other engines' by :class:`~mars.policy.control.pressure.NodeTools`)."""
+        return self.core.balance.state
+
     @property
     def sessions(self) -> dict[str, Session]:
         return self.core.sessions

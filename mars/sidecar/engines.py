@@ -37,6 +37,7 @@ from typing import Any
 from mars.policy.control.placement import (LEAVING, Call, Decision, EngineTracker,
                                            NoEngineError, SessionRouter, Waiting,
                                            make_placer)
+from mars.policy.control.pressure import NodeTools, split_tool_count
 from mars.sidecar.config import SidecarConfig
 from mars.sidecar.control import ControlPlane, Session, SessionRequeued
 from mars.sidecar.metrics import SidecarMetrics
@@ -93,7 +94,7 @@ class EngineSet:
         n = len(urls)
         self.multi = n > 1
         self.router = SessionRouter(make_placer(config.placement))
-        adm = config.admission_config.per_engine(n)
+        adm = config.admission_config.per_engine(n, config.cpu_budget)
         self.engines: list[Engine] = []
         for rank, (url, events) in enumerate(zip(urls, config.engines_events)):
             control = ControlPlane(
@@ -110,9 +111,16 @@ class EngineSet:
                                        headers=headers))
         self._probe: asyncio.Task | None = None
         self._rebinding = False
+        #: the host's tool cores, shared by the engines' control planes (``cpu_budget``
+        #: "node"; None: one engine, or an equal share each)
+        self.node_tools: NodeTools | None = None
         if self.multi:
             for e in self.engines:
                 e.control.owner_of = self._owner_of
+            if config.cpu_budget == "node":
+                self.node_tools = NodeTools()
+                for e in self.engines:
+                    self.node_tools.join(e.control.pressure)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -176,12 +184,18 @@ class EngineSet:
             return
         kind = ev.get("kind")
         if kind == "tool_num":
-            # the host's count of running tools: each engine holds an equal share of the
-            # cores, so it is told an equal share of the tools
-            n = len(self.engines)
-            share = int(ev.get("active") or 0)
-            for e in self.engines:
-                e.control.observe({**ev, "active": share // n + (e.rank < share % n)})
+            active = max(0, int(ev.get("active") or 0))
+            if self.node_tools is not None:
+                # the host's count of running tools: each engine keeps what it tracks of its
+                # own sessions' as far as the count allows (their sum is the host's)
+                shares = split_tool_count(
+                    active, [e.control.pressure.tracked_tools for e in self.engines])
+            else:
+                # each engine holds an equal share of the cores: an equal share of the tools
+                n = len(self.engines)
+                shares = [active // n + (e.rank < active % n) for e in self.engines]
+            for e, share in zip(self.engines, shares):
+                e.control.observe({**ev, "active": share})
             return
         sid = ev.get("session_id")
         rank = self.router.engine_of(sid) if sid else None

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from mars.policy.control.admission import QueueFull
 from mars.policy.control.packing import QueuedSession
+from mars.policy.control.pressure import DualPressureState
 from mars.protocol.events import make_event
 from mars.policy.control.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
 from mars.sidecar.config import SidecarConfig, admission_config
@@ -76,6 +77,12 @@ class SimControl:
         #: each queued session's current stay here: a session moved away and back (late
         #: binding) starts a new one, and the timers of an earlier stay are void
         self._stay: dict[str, object] = {}
+
+    @property
+    def pressure(self) -> DualPressureState:
+        """The dual-pressure state this engine's admission reads (as the served
+        :attr:`mars.sidecar.control.ControlPlane.pressure`)."""
+        return self.core.balance.state
 
     # ------------------------------------------------------------------ hub
     def publish(self, ev: dict[str, Any]) -> None:

@@ -15,7 +15,8 @@ What the served stack does with ``mars replay --virtual-tool-cores N`` against
 
 Several engines of one model (``--engines N``, vLLM's data parallelism, issue #34): each is its
 own emulated GPU with its own control plane (session window, packing room, KV state from its
-own events, an equal share of the tool cores), and the sidecar's placement policy
+own events, the host's tool cores shared with the others: ``cpu_budget``), and the
+sidecar's placement policy
 (:mod:`mars.policy.control.placement`) picks the engine of each session, from what each
 engine's events show, as ``mars sidecar --upstream URL1,URL2,...`` does. Each engine then has
 a clock of its own, the time its step in flight ends: the loop takes the earliest of the
@@ -49,6 +50,7 @@ from typing import Any
 
 from mars.policy.control.placement import (LEAVING, PLACERS, Call, EngineTracker,
                                            SessionRouter, Waiting, make_placer)
+from mars.policy.control.pressure import CPU_BUDGETS, NodeTools
 from mars.policy.registry import get_policy
 from mars.policy.control.admission_core import SessionState
 from mars.sim.clock import Timeline, VirtualClock
@@ -93,6 +95,9 @@ class SimConfig:
     engines: int = 1
     #: how the sidecar places sessions on them (mars.policy.control.placement.PLACERS)
     placement: str = "mars"
+    #: how their control planes count the host's tool cores
+    #: (mars.policy.control.pressure.CPU_BUDGETS)
+    cpu_budget: str = "node"
     #: the sidecar's ``--admission-config`` (a JSON object; empty: defaults)
     admission_config: str = ""
 
@@ -102,6 +107,9 @@ class SimConfig:
         if self.placement not in PLACERS:
             raise ValueError(f"unknown placement {self.placement!r}; choose one of "
                              f"{', '.join(sorted(PLACERS))}")
+        if self.cpu_budget not in CPU_BUDGETS:
+            raise ValueError(f"unknown cpu budget {self.cpu_budget!r}; choose one of "
+                             f"{', '.join(CPU_BUDGETS)}")
 
     @property
     def emulate(self) -> str:
@@ -182,7 +190,7 @@ class Simulation:
         sc = sidecar_config(get_policy(cfg.policy).sidecar_admission, cfg.tool_cores,
                             self.lanes[0].engine.block_size,
                             json.loads(cfg.admission_config) if cfg.admission_config else None)
-        sc = replace(sc, admission_config=sc.admission_config.per_engine(n))
+        sc = replace(sc, admission_config=sc.admission_config.per_engine(n, cfg.cpu_budget))
         for lane in self.lanes:
             lane.control = SimControl(
                 sc, self.clock, self.timeline, admitted=self._admitted, failed=self._failed,
@@ -192,6 +200,10 @@ class Simulation:
             for ev in lane.early:
                 self._deliver(lane, ev)
             lane.early.clear()
+        if self.multi and cfg.cpu_budget == "node":
+            node = NodeTools()  # the host's tool cores, shared by the control planes
+            for lane in self.lanes:
+                node.join(lane.control.pressure)
         #: the first engine and its control plane (the only ones with one engine)
         self.engine, self.control = self.lanes[0].engine, self.lanes[0].control
         self.cores = VirtualCores(cfg.tool_cores, self.timeline)
@@ -310,8 +322,8 @@ class Simulation:
                     "system_fingerprint": None,
                     "emulated": {"gpu": cfg.gpu, "model": cfg.model, "simulated": True,
                                  "profile": cfg.profile},
-                    **({"engines": cfg.engines, "placement": cfg.placement}
-                       if self.multi else {})},
+                    **({"engines": cfg.engines, "placement": cfg.placement,
+                        "cpu_budget": cfg.cpu_budget} if self.multi else {})},
             config={"token_range": list(cfg.token_range), "seed": cfg.seed, "salt": salt,
                     "tool_cores": [], "tool_workers": cfg.tool_cores, "tool_burn": "virtual",
                     "policy": cfg.policy, "engine_args": list(cfg.engine_args),

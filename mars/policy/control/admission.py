@@ -51,7 +51,8 @@ from mars.protocol.events import make_event
 from mars.policy.control.growth import ContextGrowth, Projection
 from mars.policy.control.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
                                  estimate_blocks)
-from mars.policy.control.pressure import DualPressureState, PressureConfig, PressureSignals
+from mars.policy.control.pressure import (CPU_BUDGETS, DualPressureState, PressureConfig,
+                                         PressureSignals)
 from mars.policy.control.residency import EngineShare, ResidentShare
 
 
@@ -100,11 +101,17 @@ class AdmissionConfig:
                                      and fill > 0):
             raise ValueError("projected_fill must be a finite number > 0 (or None: off)")
 
-    def per_engine(self, engines: int) -> "AdmissionConfig":
-        """This configuration for one of ``engines`` engines on one host: the tools of every
-        engine's sessions run on the same cores, so each engine's CPU cap counts an equal
-        share of them (the rest is per engine already: each has its own window and pool)."""
-        if engines <= 1:
+    def per_engine(self, engines: int, cpu_budget: str = "split") -> "AdmissionConfig":
+        """This configuration for one of ``engines`` engines on one host (the rest is per
+        engine already: each has its own window and pool). The tools of every engine's
+        sessions run on the same cores: with ``cpu_budget="split"`` each engine's CPU cap
+        counts an equal share of them; with ``"node"`` every engine counts them all, and its
+        control plane reads the others' running tools
+        (:class:`~mars.policy.control.pressure.NodeTools`, which the caller joins)."""
+        if cpu_budget not in CPU_BUDGETS:
+            raise ValueError(f"unknown cpu budget {cpu_budget!r}; choose one of "
+                             f"{', '.join(CPU_BUDGETS)}")
+        if engines <= 1 or cpu_budget == "node":
             return self
         return replace(self, pressure=replace(
             self.pressure, tool_cores=self.pressure.tool_cores / engines))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from mars.policy.control.slowdown import ToolSlowdown
 
@@ -143,9 +143,11 @@ class PressureSignals:
     launch_delay_ema: float | None
     llm_duration_ema: float | None
     # --- CPU plane ------------------------------------------------------------------------
+    #: CPU-bound tool calls of this control plane's sessions running now
     active_tools: int
+    #: the host's tool cores (all of them: with several engines on one host, shared)
     tool_cores: float
-    #: active_tools / tool_cores (1.0 = one tool per core).
+    #: the host's load: (active_tools + other_tools) / tool_cores (1.0 = one tool per core)
     cpu_load: float
     tool_duration_ema: float | None
     #: EMA of (duration / per-type baseline): ~1 when healthy, >1 when tools are slowed by
@@ -160,6 +162,9 @@ class PressureSignals:
     #: the engine's host tier (vLLM's KV offloading) in blocks of context it holds, as its
     #: ``scheduler_start`` announced (None: none)
     host_blocks: int | None = None
+    #: CPU-bound tool calls running on the same host for the sessions of other engines'
+    #: control planes (:class:`NodeTools`; 0 with one engine)
+    other_tools: int = 0
 
     @property
     def kv_known(self) -> bool:
@@ -224,6 +229,9 @@ class DualPressureState:
                                       c.slowdown_significance)
         self.ignored_events = 0
         self._last_ts: float | None = None
+        #: the CPU-bound tools running on this host for other control planes' sessions
+        #: (set by :meth:`NodeTools.join`; None: this control plane has the host alone)
+        self.other_tools: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------ event intake
     def observe(self, event: Any) -> bool:
@@ -397,7 +405,7 @@ class DualPressureState:
         self._queued.pop(session_id, None)
 
     def _tracked_tools(self) -> int:
-        """Open CPU-bound tool calls (light ones excluded)."""
+        """Open CPU-bound tool calls (light ones excluded), from start and end events."""
         return sum(len(v) for v in self._open.values()) - sum(
             len(v) for v in self._light.values())
 
@@ -418,6 +426,11 @@ class DualPressureState:
 
     # ------------------------------------------------------------------ plain readers
     @property
+    def tracked_tools(self) -> int:
+        """Running CPU-bound tool calls from start and end events alone (no resync)."""
+        return max(0, self._tracked_tools())
+
+    @property
     def active_tools(self) -> int:
         """Running tool calls: tracked start/end pairs plus the last ``tool_num`` resync."""
         return max(0, self._tracked_tools() + self._tool_num_offset)
@@ -436,7 +449,9 @@ class DualPressureState:
 
     @property
     def cpu_load(self) -> float:
-        return self.active_tools / self.config.tool_cores
+        """The host's load (this control plane's tools and, on a shared host, the others')."""
+        others = self.other_tools() if self.other_tools is not None else 0
+        return (self.active_tools + others) / self.config.tool_cores
 
     @property
     def kv_utilisation(self) -> float | None:
@@ -477,6 +492,7 @@ class DualPressureState:
         waiting = kv["waiting"] if kv is not None else None
         loading = kv["loading"] if kv is not None else None
         active = self.active_tools
+        others = self.other_tools() if self.other_tools is not None else 0
         return PressureSignals(
             now=now,
             total_blocks=kv["total_blocks"] if known else None,
@@ -495,10 +511,74 @@ class DualPressureState:
             llm_duration_ema=self.llm_duration.value,
             active_tools=active,
             tool_cores=c.tool_cores,
-            cpu_load=active / c.tool_cores,
+            cpu_load=(active + others) / c.tool_cores,
             tool_duration_ema=self.tool_duration.value,
             tool_slowdown=self._slowdown.value if active > 0 else None,
             tool_starts_total=self.tool_starts_total,
             pool_blocks=self.pool_blocks,
             host_blocks=self.host_blocks,
+            other_tools=others,
         )
+
+
+#: how several engines' control planes on one host count its tool cores: ``node``, shared
+#: (:class:`NodeTools`); ``split``, an equal share each
+CPU_BUDGETS = ("node", "split")
+
+
+class NodeTools:
+    """The tool cores of one host, shared by the control planes of the engines it serves.
+
+    Why: the tools of every engine's sessions run on the same CPUs (paper §4.1 couples the
+    GPU's pressure with the *host's*), so each engine's CPU signals must read the host. An
+    equal split of the cores (each engine capped at ``cores / N``) throttles the engine whose
+    sessions happen to be tool-heavy while the others' cores sit idle, and lets no engine see
+    the contention the others cause. Shared, each control plane keeps its own sessions' tools
+    and its own Little's-law share (tools per admitted session of its own), and reads the
+    others' running tools: its load is the host's, and its CPU cap counts the cores the
+    others do not use (:func:`mars.policy.control.window.cpu_little_cap`). At equilibrium
+    the caps sum to the host's capacity; a burst of admissions on two engines at once that
+    overshoots shows as the host's backlog, which every engine's backlog guard then reads.
+
+    Mechanism only: it sums what the joined states count; nothing here reads a clock."""
+
+    def __init__(self) -> None:
+        self._states: list[DualPressureState] = []
+
+    def join(self, state: DualPressureState) -> None:
+        """Share the host with ``state``: its signals then count the others' tools."""
+        if any(st is state for st in self._states):
+            return
+        self._states.append(state)
+        state.other_tools = lambda: self.others(state)
+
+    def others(self, state: DualPressureState) -> int:
+        """CPU-bound tools running for the sessions of every joined state but ``state``."""
+        return sum(st.active_tools for st in self._states if st is not state)
+
+    @property
+    def active(self) -> int:
+        """CPU-bound tools running on the host, over every joined state."""
+        return sum(st.active_tools for st in self._states)
+
+
+def split_tool_count(active: int, tracked: list[int]) -> list[int]:
+    """The host's count of running tools (a ``tool_num`` event: the truth at its time)
+    shared out over control planes that track ``tracked`` of them each. More than tracked:
+    the rest spread equally (remainders to the first). Fewer: taken one at a time from the
+    plane tracking most (the first among equals), so no share goes below 0. Each plane keeps
+    its own sessions' count as far as the truth allows: a resync does not move tools between
+    engines (an equal split did, and each engine's tools per session with them)."""
+    if active < 0:
+        raise ValueError("negative tool count")
+    n = len(tracked)
+    if n == 0:
+        return []
+    diff = active - sum(tracked)
+    if diff >= 0:
+        return [t + diff // n + (i < diff % n) for i, t in enumerate(tracked)]
+    out = list(tracked)
+    for _ in range(-diff):
+        i = max(range(n), key=lambda i: (out[i], -i))
+        out[i] -= 1
+    return out

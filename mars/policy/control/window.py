@@ -223,7 +223,7 @@ def kv_tightening(utilisation: float, knee: float, exponent: float = 2.0) -> flo
 
 def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: float | None,
                    floor: float, ceiling: float, active_tools: int = 0,
-                   in_use: int = 0) -> float:
+                   in_use: int = 0, other_tools: int = 0) -> float:
     """Session cap that keeps expected tool concurrency at ``tool_cores * target_load``.
 
     Little's law: concurrent tools = admitted sessions x ``tools_per_session`` (the tool-call
@@ -232,8 +232,12 @@ def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: flo
     guard: when the tools already running exceed the capacity, the cap is also at most
     ``in_use * capacity / active_tools`` (< in_use), so no session is admitted until the
     backlog drains, however optimistic the long-run estimate is. Unknown share -> ceiling.
+
+    On a host shared with other engines' control planes (``other_tools`` running for their
+    sessions: :class:`~mars.policy.control.pressure.NodeTools`), the capacity is what they
+    leave: ``tool_cores * target_load - other_tools``, at least 0.
     """
-    capacity = tool_cores * target_load
+    capacity = max(0.0, tool_cores * target_load - other_tools)
     cap = float(ceiling)
     if tools_per_session is not None and tools_per_session > 0:
         cap = min(cap, capacity / tools_per_session)
@@ -420,7 +424,7 @@ class WindowController:
         part is weighted by :meth:`kv_scarcity` (continuous: no admit/stop threshold)."""
         c = self.config
         args = (sig.tool_cores, c.cpu_target_load)
-        tail = (c.min_window, c.max_window, sig.active_tools, in_use)
+        tail = (c.min_window, c.max_window, sig.active_tools, in_use, sig.other_tools)
         cap = cpu_little_cap(*args, self.tools_per_session(sig), *tail)
         if not c.cpu_cap_coupled:
             return cap
