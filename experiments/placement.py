@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mars.policy.control.placement import PLACERS
+from mars.policy.control.pressure import CPU_BUDGETS
 from mars.workloads.generator import generate
 from mars.workloads.results import RunResult, read_results
 from mars.workloads.trace import Trace, read_trace, write_trace
@@ -141,6 +142,8 @@ def main() -> int:
     policies = [p for p in args.policies.split(",") if p]
     placements = [p for p in args.placements.split(",") if p]
     budgets = [b for b in args.cpu_budgets.split(",") if b]
+    if not budgets or set(budgets) - set(CPU_BUDGETS):
+        ap.error(f"--cpu-budgets: choose from {', '.join(CPU_BUDGETS)}")
 
     def key(pol: str, pl: str, b: str) -> str:
         return f"{pol}-{pl}" + ("" if b == "node" else f"-{b}")

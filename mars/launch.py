@@ -4,6 +4,7 @@ demo so that they all run the server exactly as a user would (a real subprocess,
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 
 def pin_to(cores: list[int] | None) -> set[int] | None:
@@ -152,19 +155,28 @@ def renice_engine(server_pid: int, niceness: int) -> int:
     server the host has cores to spare and answers at once, which is what the simulator
     models; with the spinner niced the request path runs first and the worker's compute
     keeps its priority."""
-    changed = 0
-    for pid in _children(server_pid):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                title = f.read().strip()
-            if not title.startswith(ENGINE_TITLES):
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-                changed += 1
-        except (OSError, ValueError):
-            continue  # (a thread or process that ended meanwhile)
-    return changed
+    done: set[int] = set()
+    while True:  # again until no new thread: one not yet reniced may have started some
+        fresh = False
+        for pid in _children(server_pid):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if not f.read().strip().startswith(ENGINE_TITLES):
+                        continue
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except (OSError, ValueError):
+                continue  # (a process that ended meanwhile)
+            for tid in tids:
+                if tid in done:
+                    continue
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, niceness)
+                except OSError:
+                    continue  # (a thread that ended meanwhile)
+                done.add(tid)
+                fresh = True
+        if not fresh:
+            return len(done)
 
 
 @dataclass
@@ -186,6 +198,8 @@ class ServerProcess:
     #: (vLLM's API server, the sidecar, the client) then waits for it: see
     #: :func:`renice_engine`
     engine_nice: int = 0
+    #: threads :func:`renice_engine` changed at start
+    reniced: int = field(default=0, init=False)
     #: the folder start() made for the server's log, events and sockets
     _workdir: str | None = field(default=None, init=False, repr=False)
 
@@ -244,7 +258,11 @@ class ServerProcess:
             try:
                 self._wait_ready()
                 if self.engine_nice:
-                    renice_engine(self.proc.pid, self.engine_nice)
+                    self.reniced = renice_engine(self.proc.pid, self.engine_nice)
+                    if not self.reniced:
+                        log.warning("engine_nice=%d: no thread of vLLM's EngineCore found "
+                                    "under pid %d (process titles %s)", self.engine_nice,
+                                    self.proc.pid, ENGINE_TITLES)
                 return self
             except RuntimeError:
                 tail = self.tail(60).lower()

@@ -50,6 +50,8 @@ def test_calibrate_writes_the_served_engine_profile(profile):
     # every sample is a real step: positive times, the model's own prediction beside it
     assert all(pt[5] > 0 and pt[6] > 0 for pt in fit["points"])
     assert {pt[0] for pt in fit["points"]} == {"prefill", "decode", "mixed"}
+    # two decodes over 16 K each: the KV an agent step reads (CalibrationGrid.quick)
+    assert any(pt[0] == "decode" and pt[2] == 2 and pt[4] >= 2 * 16384 for pt in fit["points"])
     json.dumps(p.as_dict())
 
 
@@ -123,6 +125,7 @@ def test_sim_on_the_profile_matches_the_real_engine(profile, tmp_path):
     step_log = tmp_path / "steps.jsonl"
     with ServerProcess(args=["--policy", "fcfs", "--tool-cores", "8", "--mars-step-log",
                              str(step_log)], startup_timeout_s=600, engine_nice=19) as srv:
+        assert srv.reniced > 0, "no thread of vLLM's EngineCore was found to renice"
         wait_for_quiet_cpu()
         r = subprocess.run([sys.executable, "-m", "mars.cli", "replay", "--trace",
                             str(tmp_path / "trace.jsonl"), "--url", srv.url,

@@ -26,7 +26,8 @@ def test_each_state_reads_the_others_running_tools_and_the_hosts_load():
     node = NodeTools()
     node.join(a)
     node.join(b)
-    node.join(a)  # twice is once
+    with pytest.raises(ValueError, match="already shares"):
+        node.join(a)
     _tools(a, "s1", 5)
     _tools(b, "s2", 1)
     _tools(b, "s3", 2, cpu_bound=False)  # waits on the network: no core
@@ -44,6 +45,27 @@ def test_each_state_reads_the_others_running_tools_and_the_hosts_load():
     alone = DualPressureState(PressureConfig(tool_cores=8))
     _tools(alone, "s", 3)
     assert alone.signals(2.0).other_tools == 0 and alone.signals(2.0).cpu_load == 3 / 8
+    assert not alone.shares_host and a.shares_host
+
+
+def test_the_others_demand_is_what_their_admitted_sessions_are_expected_to_run():
+    """Between two tools a session runs none, but will: an engine's long-run cap must count
+    the others' admitted sessions, or every engine sees the host free while the others'
+    sessions are in model calls and admits for all of it."""
+    a, b = (DualPressureState(PressureConfig(tool_cores=8)) for _ in range(2))
+    node = NodeTools()
+    node.join(a, lambda: 6.0)  # six admitted sessions' worth of tools expected
+    node.join(b, lambda: 1.0)
+    _tools(a, "s1", 2)
+    sb = b.signals(2.0)
+    assert sb.other_tools == 2 and sb.other_demand == 6.0  # the forecast, above the running
+    _tools(a, "s2", 7)
+    assert b.signals(2.0).other_demand == 9.0  # the running, above the forecast
+    sa = a.signals(2.0)
+    assert sa.other_tools == 0 and sa.other_demand == 1.0
+    # the long-run cap counts the demand, the backlog guard the running tools
+    assert cpu_little_cap(8, 1.0, 0.5, 1, 64, other_tools=2, other_demand=6.0) == \
+        pytest.approx((8 - 6) / 0.5)
 
 
 @pytest.mark.parametrize("active, tracked, want", [
@@ -73,10 +95,17 @@ def test_the_cpu_cap_counts_the_cores_the_other_engines_leave():
     assert cpu_little_cap(8, 1.0, 1.0, 1, 64, other_tools=5) == pytest.approx(3.0)
     # others fill the host: the floor
     assert cpu_little_cap(8, 1.0, 1.0, 1, 64, other_tools=9) == 1.0
-    # the backlog guard reads the host: 4 own + 6 others on 8 cores is a backlog, so the
-    # cap is below the 4 sessions admitted (none is admitted until it drains)
+    # the backlog guard reads the host: 4 own + 6 others on 8 cores is a backlog of 10 / 8,
+    # shed in proportion on every engine, so the cap is below the 4 sessions admitted
+    # (none is admitted until it drains) -- not in_use x (8 - 6) / 4, the whole excess
     guarded = cpu_little_cap(8, 1.0, None, 1, 64, active_tools=4, in_use=4, other_tools=6)
-    assert guarded == pytest.approx(4 * 2 / 4) and guarded < 4
+    assert guarded == pytest.approx(4 * 8 / 10) and guarded < 4
+    # an engine running no tools of its own holds too while the host is backlogged
+    assert cpu_little_cap(8, 1.0, None, 1, 64, active_tools=0, in_use=4,
+                          other_tools=9) == pytest.approx(4 * 8 / 9)
+    # with one engine the guard is as it always was
+    assert cpu_little_cap(8, 1.0, None, 1, 64, active_tools=10, in_use=5) == \
+        pytest.approx(5 * 8 / 10)
     # the same own load with an idle rest of the host: no guard
     assert cpu_little_cap(8, 1.0, None, 1, 64, active_tools=4, in_use=4) == 64.0
 
@@ -107,7 +136,6 @@ def test_per_engine_configuration_by_budget():
     cores = cfg.pressure.tool_cores
     assert cfg.per_engine(4, "node").pressure.tool_cores == cores
     assert cfg.per_engine(4, "split").pressure.tool_cores == pytest.approx(cores / 4)
-    assert cfg.per_engine(4).pressure.tool_cores == pytest.approx(cores / 4)
     assert cfg.per_engine(1, "split") is cfg
     with pytest.raises(ValueError, match="unknown cpu budget 'nodes'"):
         cfg.per_engine(2, "nodes")
@@ -139,16 +167,16 @@ def test_the_sidecar_shares_the_hosts_cores_between_its_engines():
     for i in range(5):
         es.observe({"kind": "tool_start", "ts": now, "session_id": "a", "call_id": f"c{i}",
                     "tool": "t"})
-    s0, s1 = (es[r].control.pressure.signals(now) for r in range(2))
+    s0, s1 = (es[r].control.pressure_state.signals(now) for r in range(2))
     assert (s0.tool_cores, s1.tool_cores) == (8, 8)  # every engine counts the host's cores
     assert (s0.active_tools, s0.other_tools) == (5, 0)
     assert (s1.active_tools, s1.other_tools) == (0, 5)
     assert s0.cpu_load == s1.cpu_load == pytest.approx(5 / 8)
     # the host's count: each engine keeps its own as far as the count allows
     es.observe({"kind": "tool_num", "ts": now, "active": 7})
-    assert [es[r].control.pressure.active_tools for r in range(2)] == [6, 1]
+    assert [es[r].control.pressure_state.active_tools for r in range(2)] == [6, 1]
     es.observe({"kind": "tool_num", "ts": now, "active": 3})
-    assert [es[r].control.pressure.active_tools for r in range(2)] == [3, 0]
+    assert [es[r].control.pressure_state.active_tools for r in range(2)] == [3, 0]
 
 
 def test_the_split_budget_gives_each_engine_an_equal_share():
@@ -159,11 +187,11 @@ def test_the_split_budget_gives_each_engine_an_equal_share():
     for i in range(5):
         es.observe({"kind": "tool_start", "ts": now, "session_id": "a", "call_id": f"c{i}",
                     "tool": "t"})
-    s0, s1 = (es[r].control.pressure.signals(now) for r in range(2))
+    s0, s1 = (es[r].control.pressure_state.signals(now) for r in range(2))
     assert (s0.tool_cores, s1.tool_cores) == (4, 4)
     assert (s0.other_tools, s1.other_tools) == (0, 0) and s1.cpu_load == 0
     es.observe({"kind": "tool_num", "ts": now, "active": 7})
-    assert [es[r].control.pressure.active_tools for r in range(2)] == [4, 3]
+    assert [es[r].control.pressure_state.active_tools for r in range(2)] == [4, 3]
 
 
 def test_a_bad_cpu_budget_is_refused_by_name():
@@ -171,3 +199,55 @@ def test_a_bad_cpu_budget_is_refused_by_name():
 
     with pytest.raises(ValueError, match="unknown cpu budget 'half'; choose one of node, split"):
         SidecarConfig(upstream="http://127.0.0.1:1", cpu_budget="half")
+
+
+def test_a_control_plane_offers_its_admitted_sessions_expected_tools():
+    """``BalanceAndAdmit.share_host``: what the other engines read of this one is its
+    admitted sessions x its measured tools per session (0 until it has measured one)."""
+    from mars.policy.control.admission import BalanceAndAdmit
+
+    cfg = AdmissionConfig(pressure=PressureConfig(tool_cores=8))
+    mine, other = BalanceAndAdmit(cfg), BalanceAndAdmit(cfg)
+    node = NodeTools()
+    mine.share_host(node)
+    other.share_host(node)
+    assert other.state.signals(1.0).other_demand == 0.0
+    for sid in ("s1", "s2", "s3", "s4"):
+        mine.enqueue(sid, 1.0, prompt_tokens=100)
+    mine.step(1.0)
+    assert mine.in_use == 4
+    _tools(mine.state, "s1", 2)
+    now = 1.0
+    for _ in range(60):  # 2 tools over 4 sessions, time-averaged
+        now += 1.0
+        mine.step(now)
+    share = mine.controller.tools_per_session()
+    assert share == pytest.approx(0.5, rel=0.05)
+    sig = other.state.signals(now)
+    assert sig.other_tools == 2 and sig.other_demand == pytest.approx(4 * share)
+
+
+def test_a_tool_on_one_engine_steps_the_others_at_once():
+    import asyncio
+
+    async def main():
+        es = _engine_set("node")
+        es.router._where["a"] = 0
+        assert es[1].control._kick is None
+        es.observe({"kind": "tool_start", "ts": time.time(), "session_id": "a",
+                    "call_id": "c0", "tool": "t"})
+        kicked = es[1].control._kick is not None
+        await asyncio.sleep(0.05)
+        return kicked, es[1].control._kick is None
+
+    kicked, ran = asyncio.run(main())
+    assert kicked and ran  # scheduled, then stepped
+    es = _engine_set("split")  # an equal share each: the others are not concerned
+    es.router._where["a"] = 0
+
+    async def split():
+        es.observe({"kind": "tool_start", "ts": time.time(), "session_id": "a",
+                    "call_id": "c0", "tool": "t"})
+        return es[1].control._kick
+
+    assert asyncio.run(split()) is None

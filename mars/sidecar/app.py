@@ -454,10 +454,12 @@ class Sidecar:
             "sessions_active": ("Sessions holding a window slot (window occupancy)", snap["admitted"]),
             "sessions_queued": ("Sessions waiting for admission", snap["queued"]),
             "requests_inflight": ("Requests forwarded and not finished", snap["inflight"]),
-            "active_tools": ("Running tool calls (CPU plane)", s["active_tools"]),
+            "active_tools": ("Running tool calls of this engine's sessions (CPU plane)",
+                             s["active_tools"]),
             "tools_queued": ("Tool calls enqueued by their runner and not started (waiting "
                              "for a core)", s["queued_tools"]),
-            "cpu_load": ("Active tools per tool core", s["cpu_load"]),
+            "cpu_load": ("Running tools per tool core on the host (every engine's sessions "
+                         "with --cpu-budget node)", s["cpu_load"]),
             "tool_duration_ema_seconds": ("EMA of tool durations", s["tool_duration_ema_s"]),
             "tool_slowdown": ("Tool slowdown over the per-type baseline (1 unless significant)",
                               s["tool_slowdown"]),

@@ -83,6 +83,11 @@ class Engine:
                 **self.control.snapshot()}
 
 
+#: events that change the host's running tools (with ``--cpu-budget node`` every engine's
+#: control plane steps on them)
+_HOST_KINDS = frozenset({"tool_start", "tool_end", "session_end"})
+
+
 class EngineSet:
     """The engines, their placement, and the dispatch of events to their control planes."""
 
@@ -120,7 +125,7 @@ class EngineSet:
             if config.cpu_budget == "node":
                 self.node_tools = NodeTools()
                 for e in self.engines:
-                    self.node_tools.join(e.control.pressure)
+                    e.control.share_host(self.node_tools)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -184,19 +189,23 @@ class EngineSet:
             return
         kind = ev.get("kind")
         if kind == "tool_num":
-            active = max(0, int(ev.get("active") or 0))
+            active = ev.get("active")
+            if not isinstance(active, int) or isinstance(active, bool) or active < 0:
+                for e in self.engines:  # malformed: each control plane counts it ignored
+                    e.control.observe(ev)
+                return
             if self.node_tools is not None:
                 # the host's count of running tools: each engine keeps what it tracks of its
                 # own sessions' as far as the count allows (their sum is the host's)
                 shares = split_tool_count(
-                    active, [e.control.pressure.tracked_tools for e in self.engines])
+                    active, [e.control.pressure_state.tracked_tools for e in self.engines])
             else:
                 # each engine holds an equal share of the cores: an equal share of the tools
                 n = len(self.engines)
                 shares = [active // n + (e.rank < active % n) for e in self.engines]
             for e, share in zip(self.engines, shares):
                 e.control.observe({**ev, "active": share})
-            return
+            return  # (every engine stepped: each was told its count)
         sid = ev.get("session_id")
         rank = self.router.engine_of(sid) if sid else None
         if rank is None and sid:
@@ -205,6 +214,12 @@ class EngineSet:
             rank = zlib.crc32(str(sid).encode()) % len(self.engines)
         for e in (self.engines if rank is None else (self.engines[rank],)):
             e.control.observe(ev)
+        if rank is not None and self.node_tools is not None and kind in _HOST_KINDS:
+            # the host's tools changed: the other engines' caps read them at once, not at
+            # their next timer step
+            for e in self.engines:
+                if e.rank != rank:
+                    e.control.kick()
 
     def _ended(self, rank: int, s: Session, reason: str) -> None:
         """A session ended on engine ``rank``: forget where it was, unless it is leaving for

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from mars.policy.control.admission import QueueFull
 from mars.policy.control.packing import QueuedSession
-from mars.policy.control.pressure import DualPressureState
+from mars.policy.control.pressure import DualPressureState, NodeTools
 from mars.protocol.events import make_event
 from mars.policy.control.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
 from mars.sidecar.config import SidecarConfig, admission_config
@@ -79,10 +79,14 @@ class SimControl:
         self._stay: dict[str, object] = {}
 
     @property
-    def pressure(self) -> DualPressureState:
-        """The dual-pressure state this engine's admission reads (as the served
-        :attr:`mars.sidecar.control.ControlPlane.pressure`)."""
+    def pressure_state(self) -> DualPressureState:
+        """The dual-pressure state this engine's admission reads."""
         return self.core.balance.state
+
+    def share_host(self, node: NodeTools) -> None:
+        """Count the host's tool cores with the other engines' control planes in ``node``
+        (``--cpu-budget node``)."""
+        self.core.balance.share_host(node)
 
     # ------------------------------------------------------------------ hub
     def publish(self, ev: dict[str, Any]) -> None:
@@ -194,6 +198,10 @@ class SimControl:
             self.timeline.at(t + self.sidecar.step_interval_s, self._tick)
         else:
             self._timer_on = False
+
+    def kick(self) -> None:
+        """Step at the next settle (another engine's event changed what this one reads)."""
+        self._kicked = True
 
     def settle(self, now: float) -> None:
         """The event-triggered step, once everything due at ``now`` has been seen."""

@@ -200,10 +200,12 @@ class Simulation:
             for ev in lane.early:
                 self._deliver(lane, ev)
             lane.early.clear()
+        #: the host's tool cores, shared by the control planes (``cpu_budget`` "node")
+        self._node: NodeTools | None = None
         if self.multi and cfg.cpu_budget == "node":
-            node = NodeTools()  # the host's tool cores, shared by the control planes
+            self._node = NodeTools()
             for lane in self.lanes:
-                node.join(lane.control.pressure)
+                lane.control.share_host(self._node)
         #: the first engine and its control plane (the only ones with one engine)
         self.engine, self.control = self.lanes[0].engine, self.lanes[0].control
         self.cores = VirtualCores(cfg.tool_cores, self.timeline)
@@ -681,17 +683,27 @@ class Simulation:
             rr.tool_start_s = t - t0
             ctl.emit("tool_start", session_id=r.sid, ts=t, tool=tool, round=call.index,
                      call_id=call_id, cpu_bound=rnd.cpu_bound)
+            self._host_changed(r.lane)
 
         def ended(t: float) -> None:
             self._tools_running -= 1
             rr.tool_end_s = t - t0
             ctl.emit("tool_end", session_id=r.sid, ts=t, tool=tool, round=call.index,
                      call_id=call_id, status="ok", duration_s=t - run.start)
+            self._host_changed(r.lane)
             self._submit(r, t)
 
         # a busy host runs tools late (mars.sim.host); the planned duration is what is recorded
         took = (rnd.tool_duration_s or 0.0) * (1.0 + self.cfg.host.tool_overrun)
         run = self.cores.submit(now, took, rnd.cpu_bound, started, ended)
+
+    def _host_changed(self, lane: _Lane) -> None:
+        """A tool of ``lane``'s sessions started or ended: with the host's cores shared the
+        other engines' control planes step on it too, as the served sidecar's do."""
+        if self._node is not None:
+            for other in self.lanes:
+                if other is not lane and other.control is not None:
+                    other.control.kick()
 
     def close(self) -> None:
         # the engines shut down together, after everything any of them did (their last

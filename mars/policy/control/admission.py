@@ -51,8 +51,8 @@ from mars.protocol.events import make_event
 from mars.policy.control.growth import ContextGrowth, Projection
 from mars.policy.control.packing import (PackConfig, PackQueue, PackResult, QueuedSession,
                                  estimate_blocks)
-from mars.policy.control.pressure import (CPU_BUDGETS, DualPressureState, PressureConfig,
-                                         PressureSignals)
+from mars.policy.control.pressure import (CPU_BUDGETS, DualPressureState, NodeTools,
+                                         PressureConfig, PressureSignals)
 from mars.policy.control.residency import EngineShare, ResidentShare
 
 
@@ -101,13 +101,13 @@ class AdmissionConfig:
                                      and fill > 0):
             raise ValueError("projected_fill must be a finite number > 0 (or None: off)")
 
-    def per_engine(self, engines: int, cpu_budget: str = "split") -> "AdmissionConfig":
+    def per_engine(self, engines: int, cpu_budget: str) -> "AdmissionConfig":
         """This configuration for one of ``engines`` engines on one host (the rest is per
         engine already: each has its own window and pool). The tools of every engine's
         sessions run on the same cores: with ``cpu_budget="split"`` each engine's CPU cap
         counts an equal share of them; with ``"node"`` every engine counts them all, and its
-        control plane reads the others' running tools
-        (:class:`~mars.policy.control.pressure.NodeTools`, which the caller joins)."""
+        control plane reads the others' tools: the caller joins them in one
+        :class:`~mars.policy.control.pressure.NodeTools` (:meth:`BalanceAndAdmit.share_host`)."""
         if cpu_budget not in CPU_BUDGETS:
             raise ValueError(f"unknown cpu budget {cpu_budget!r}; choose one of "
                              f"{', '.join(CPU_BUDGETS)}")
@@ -312,6 +312,13 @@ class BalanceAndAdmit:
         self._now: float | None = None
         #: never ready: the projection without a forecast (``growth_forecast`` off)
         self._no_growth = ContextGrowth(max_samples=1, min_samples=2)
+
+    def share_host(self, node: NodeTools) -> None:
+        """Share the host's tool cores with the other engines' control planes in ``node``:
+        they read this one's running tools and its expected ones (admitted sessions x its
+        measured tools per session)."""
+        node.join(self.state,
+                  lambda: self.in_use * (self.controller.tools_per_session() or 0.0))
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -359,6 +359,7 @@ class AdmissionCore:
                              if sig.host_blocks and self.balance.config.host_tier else None),
             "signals": {
                 "active_tools": sig.active_tools, "cpu_load": sig.cpu_load,
+                "other_tools": sig.other_tools, "other_demand": sig.other_demand,
                 "queued_tools": self.balance.state.queued_tools,
                 "tool_cores": sig.tool_cores, "tool_duration_ema_s": sig.tool_duration_ema,
                 "tool_slowdown": sig.tool_slowdown, "total_blocks": sig.total_blocks,

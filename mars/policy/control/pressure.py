@@ -38,7 +38,8 @@ class PressureConfig:
     """Knobs of the signal extraction. Every default is documented in docs/control_plane.md."""
 
     #: CPU cores the host can give to tool executions at once. One running tool is assumed to
-    #: want about one core, so ``cpu_load = active_tools / tool_cores``. Policies never read
+    #: want about one core, so ``cpu_load = active_tools / tool_cores`` (with other engines'
+    #: control planes on the host, their tools count too: :class:`NodeTools`). Policies never read
     #: the machine: the sidecar passes its own count (e.g. ``os.cpu_count()`` minus the cores
     #: the engine's CPU threads use).
     tool_cores: float = 8.0
@@ -165,6 +166,10 @@ class PressureSignals:
     #: CPU-bound tool calls running on the same host for the sessions of other engines'
     #: control planes (:class:`NodeTools`; 0 with one engine)
     other_tools: int = 0
+    #: what the other engines' admitted sessions are expected to run there: per engine the
+    #: larger of its running tools and its admitted sessions x its tools per session (a
+    #: session between two tools is not running one, but will); 0 with one engine
+    other_demand: float = 0.0
 
     @property
     def kv_known(self) -> bool:
@@ -229,9 +234,9 @@ class DualPressureState:
                                       c.slowdown_significance)
         self.ignored_events = 0
         self._last_ts: float | None = None
-        #: the CPU-bound tools running on this host for other control planes' sessions
-        #: (set by :meth:`NodeTools.join`; None: this control plane has the host alone)
-        self.other_tools: Callable[[], int] | None = None
+        #: the other control planes on this host: their running tools and their expected
+        #: demand (:meth:`attach_host`; None: this control plane has the host alone)
+        self._host: tuple[Callable[[], int], Callable[[], float]] | None = None
 
     # ------------------------------------------------------------------ event intake
     def observe(self, event: Any) -> bool:
@@ -447,11 +452,26 @@ class DualPressureState:
         """Tool calls queued for a core and not started, over every session."""
         return sum(len(q) for q in self._queued.values())
 
+    def attach_host(self, running: Callable[[], int], demand: Callable[[], float]) -> None:
+        """Share the host's tool cores with other control planes: ``running()`` is the
+        CPU-bound tools their sessions run now, ``demand()`` what their admitted sessions
+        are expected to run (:class:`NodeTools`)."""
+        self._host = (running, demand)
+
+    @property
+    def shares_host(self) -> bool:
+        return self._host is not None
+
+    def _others(self) -> tuple[int, float]:
+        if self._host is None:
+            return 0, 0.0
+        running, demand = self._host
+        return running(), demand()
+
     @property
     def cpu_load(self) -> float:
         """The host's load (this control plane's tools and, on a shared host, the others')."""
-        others = self.other_tools() if self.other_tools is not None else 0
-        return (self.active_tools + others) / self.config.tool_cores
+        return (self.active_tools + self._others()[0]) / self.config.tool_cores
 
     @property
     def kv_utilisation(self) -> float | None:
@@ -492,7 +512,7 @@ class DualPressureState:
         waiting = kv["waiting"] if kv is not None else None
         loading = kv["loading"] if kv is not None else None
         active = self.active_tools
-        others = self.other_tools() if self.other_tools is not None else 0
+        others, demand = self._others()
         return PressureSignals(
             now=now,
             total_blocks=kv["total_blocks"] if known else None,
@@ -518,6 +538,7 @@ class DualPressureState:
             pool_blocks=self.pool_blocks,
             host_blocks=self.host_blocks,
             other_tools=others,
+            other_demand=demand,
         )
 
 
@@ -534,32 +555,43 @@ class NodeTools:
     equal split of the cores (each engine capped at ``cores / N``) throttles the engine whose
     sessions happen to be tool-heavy while the others' cores sit idle, and lets no engine see
     the contention the others cause. Shared, each control plane keeps its own sessions' tools
-    and its own Little's-law share (tools per admitted session of its own), and reads the
-    others' running tools: its load is the host's, and its CPU cap counts the cores the
-    others do not use (:func:`mars.policy.control.window.cpu_little_cap`). At equilibrium
-    the caps sum to the host's capacity; a burst of admissions on two engines at once that
-    overshoots shows as the host's backlog, which every engine's backlog guard then reads.
+    and its own Little's-law share (tools per admitted session of its own), and reads two
+    things of the others: their running tools (the host's load and backlog, now) and their
+    expected demand, per engine the larger of its running tools and its admitted sessions x
+    its tools per session. Its long-run cap counts the capacity that demand leaves
+    (:func:`mars.policy.control.window.cpu_little_cap`). A snapshot of the others' running
+    tools would not do there: agent sessions alternate between model calls and tools, and
+    while the other engines' sessions were in model calls every engine would see the whole
+    host free and admit for it, N times over.
 
-    Mechanism only: it sums what the joined states count; nothing here reads a clock."""
+    Mechanism only: it sums what the joined members report; nothing here reads a clock."""
 
     def __init__(self) -> None:
-        self._states: list[DualPressureState] = []
+        self._members: list[tuple[DualPressureState, Callable[[], float]]] = []
 
-    def join(self, state: DualPressureState) -> None:
-        """Share the host with ``state``: its signals then count the others' tools."""
-        if any(st is state for st in self._states):
-            return
-        self._states.append(state)
-        state.other_tools = lambda: self.others(state)
+    def join(self, state: DualPressureState,
+             demand: Callable[[], float] = lambda: 0.0) -> None:
+        """Share the host with ``state``, whose admitted sessions are expected to run
+        ``demand()`` tools (its control plane's in-use sessions x tools per session)."""
+        if any(st is state for st, _ in self._members):
+            raise ValueError("this state already shares the host")
+        self._members.append((state, demand))
+        state.attach_host(lambda: self.others(state), lambda: self.others_demand(state))
 
     def others(self, state: DualPressureState) -> int:
-        """CPU-bound tools running for the sessions of every joined state but ``state``."""
-        return sum(st.active_tools for st in self._states if st is not state)
+        """CPU-bound tools running for the sessions of every member but ``state``."""
+        return sum(st.active_tools for st, _ in self._members if st is not state)
+
+    def others_demand(self, state: DualPressureState) -> float:
+        """Tools every member but ``state`` is expected to run: per member, the larger of
+        its running tools and its forecast."""
+        return sum(max(float(st.active_tools), d()) for st, d in self._members
+                   if st is not state)
 
     @property
     def active(self) -> int:
-        """CPU-bound tools running on the host, over every joined state."""
-        return sum(st.active_tools for st in self._states)
+        """CPU-bound tools running on the host, over every member."""
+        return sum(st.active_tools for st, _ in self._members)
 
 
 def split_tool_count(active: int, tracked: list[int]) -> list[int]:

@@ -223,7 +223,8 @@ def kv_tightening(utilisation: float, knee: float, exponent: float = 2.0) -> flo
 
 def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: float | None,
                    floor: float, ceiling: float, active_tools: int = 0,
-                   in_use: int = 0, other_tools: int = 0) -> float:
+                   in_use: int = 0, other_tools: int = 0,
+                   other_demand: float | None = None) -> float:
     """Session cap that keeps expected tool concurrency at ``tool_cores * target_load``.
 
     Little's law: concurrent tools = admitted sessions x ``tools_per_session`` (the tool-call
@@ -233,16 +234,23 @@ def cpu_little_cap(tool_cores: float, target_load: float, tools_per_session: flo
     ``in_use * capacity / active_tools`` (< in_use), so no session is admitted until the
     backlog drains, however optimistic the long-run estimate is. Unknown share -> ceiling.
 
-    On a host shared with other engines' control planes (``other_tools`` running for their
-    sessions: :class:`~mars.policy.control.pressure.NodeTools`), the capacity is what they
-    leave: ``tool_cores * target_load - other_tools``, at least 0.
+    On a host shared with other engines' control planes
+    (:class:`~mars.policy.control.pressure.NodeTools`: ``other_tools`` running for their
+    sessions, ``other_demand`` expected of their admitted sessions, default the running
+    ones), the long-run cap counts the capacity their demand leaves, ``tool_cores *
+    target_load - other_demand`` (at least 0), and the backlog guard reads the host's
+    backlog, ``active_tools + other_tools`` over the capacity: it holds every engine of the
+    host, tools of its own running or not (a session admitted anywhere while the host's
+    tools wait for cores adds to their wait), at the same fraction of its admitted sessions.
     """
-    capacity = max(0.0, tool_cores * target_load - other_tools)
+    capacity = tool_cores * target_load
+    demand = float(other_tools) if other_demand is None else other_demand
     cap = float(ceiling)
     if tools_per_session is not None and tools_per_session > 0:
-        cap = min(cap, capacity / tools_per_session)
-    if active_tools > capacity and in_use > 0:
-        cap = min(cap, in_use * capacity / active_tools)
+        cap = min(cap, max(0.0, capacity - demand) / tools_per_session)
+    host = active_tools + other_tools
+    if host > capacity and in_use > 0:
+        cap = min(cap, in_use * capacity / host)
     return float(min(max(cap, floor), ceiling))
 
 
@@ -415,7 +423,7 @@ class WindowController:
         return kv_soft_cap(sig.kv_utilisation, c.min_window, ceiling, c.kv_knee,
                            c.kv_cap_exponent)
 
-    def tools_per_session(self, sig: PressureSignals) -> float | None:
+    def tools_per_session(self, sig: PressureSignals | None = None) -> float | None:
         """Little's-law tool share: running tools per admitted session, time-averaged."""
         return self._share.share(self.config.cpu_rate_min_session_s)
 
@@ -424,7 +432,8 @@ class WindowController:
         part is weighted by :meth:`kv_scarcity` (continuous: no admit/stop threshold)."""
         c = self.config
         args = (sig.tool_cores, c.cpu_target_load)
-        tail = (c.min_window, c.max_window, sig.active_tools, in_use, sig.other_tools)
+        tail = (c.min_window, c.max_window, sig.active_tools, in_use, sig.other_tools,
+                sig.other_demand)
         cap = cpu_little_cap(*args, self.tools_per_session(sig), *tail)
         if not c.cpu_cap_coupled:
             return cap
