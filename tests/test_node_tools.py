@@ -251,3 +251,23 @@ def test_a_tool_on_one_engine_steps_the_others_at_once():
         return es[1].control._kick
 
     assert asyncio.run(split()) is None
+
+
+def test_the_running_count_follows_every_change_between_reads():
+    """The count is kept between changes (every engine reads every other's at each step):
+    each kind of change must show at the next read."""
+    st = DualPressureState(PressureConfig(tool_cores=8, tool_stale_s=100.0))
+    _tools(st, "a", 2, ts=1.0)
+    assert st.active_tools == 2
+    _tools(st, "b", 1, ts=50.0)
+    assert st.active_tools == 3
+    st.observe({"kind": "tool_end", "ts": 60.0, "session_id": "a", "call_id": "a-0",
+                "tool": "t", "duration_s": 59.0})
+    assert st.active_tools == 2
+    st.observe({"kind": "tool_num", "ts": 61.0, "active": 5})
+    assert st.active_tools == 5
+    st.observe({"kind": "tool_num", "ts": 61.0, "active": 2})
+    st.forget_session("b")
+    assert st.active_tools == 1 and st.tracked_tools == 1
+    st.signals(200.0)  # a-1, started at 1 s, is stale at 200 s: dropped
+    assert st.tracked_tools == 0

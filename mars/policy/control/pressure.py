@@ -237,6 +237,8 @@ class DualPressureState:
         #: the other control planes on this host: their running tools and their expected
         #: demand (:meth:`attach_host`; None: this control plane has the host alone)
         self._host: tuple[Callable[[], int], Callable[[], float]] | None = None
+        #: the open CPU-bound tool calls, counted once per change (None: to count)
+        self._count: int | None = None
 
     # ------------------------------------------------------------------ event intake
     def observe(self, event: Any) -> bool:
@@ -251,6 +253,7 @@ class DualPressureState:
             ts = _get(event, "ts")
             ts = float(ts) if ts is not None else (self._last_ts or 0.0)
             self._last_ts = ts if self._last_ts is None else max(self._last_ts, ts)
+            self._count = None  # (what the handler changes: the running tools' count too)
             handler(self, event, ts)
             return True
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -405,14 +408,19 @@ class DualPressureState:
     # ------------------------------------------------------------------ bookkeeping
     def forget_session(self, session_id: str) -> None:
         """Drop a session's open tool calls (it ended, disconnected or was released)."""
+        self._count = None
         self._open.pop(session_id, None)
         self._light.pop(session_id, None)
         self._queued.pop(session_id, None)
 
     def _tracked_tools(self) -> int:
-        """Open CPU-bound tool calls (light ones excluded), from start and end events."""
-        return sum(len(v) for v in self._open.values()) - sum(
-            len(v) for v in self._light.values())
+        """Open CPU-bound tool calls (light ones excluded), from start and end events. Kept
+        between the changes to them: with several engines on one host every engine's
+        control plane reads every other's count at each step and placement (NodeTools)."""
+        if self._count is None:
+            self._count = sum(len(v) for v in self._open.values()) - sum(
+                len(v) for v in self._light.values())
+        return self._count
 
     def _prune(self, now: float) -> None:
         c = self.config
@@ -421,7 +429,10 @@ class DualPressureState:
             self._preempt_ts.popleft()
         if c.tool_stale_s is not None:
             cutoff = now - c.tool_stale_s
-            for sid, kept in _drop_stale(self._open, cutoff).items():
+            dropped = _drop_stale(self._open, cutoff)
+            if dropped:
+                self._count = None
+            for sid, kept in dropped.items():
                 light = self._light.get(sid)
                 if light is not None:
                     light &= kept
