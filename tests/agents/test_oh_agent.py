@@ -7,8 +7,10 @@ The same loop against a real mars server is ``test_oh_e2e.py`` (needs ``MARS_TES
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -107,11 +109,21 @@ def test_two_sessions_in_one_process_stay_apart(stub, tmp_path):
     def go(sid):
         out[sid] = run_session(TASK, _cfg(stub.url, tmp_path), session_id=sid)
 
-    ths = [threading.Thread(target=go, args=(sid,)) for sid in ("sess-X", "sess-Y")]
+    ths = [threading.Thread(target=go, args=(sid,), name=sid) for sid in ("sess-X", "sess-Y")]
     for t in ths:
         t.start()
+    deadline = time.monotonic() + 100  # ~7 s alone
     for t in ths:
-        t.join(100)
+        t.join(max(0.0, deadline - time.monotonic()))
+    # Both sessions must have finished before their rounds are counted. Once, in a full
+    # suite run (2026-11-29), one session was still in its second round after 100 s and the
+    # test failed on its missing third round, which hid the hang: a hang now fails as one,
+    # with where the session was (the cause of that one is not known yet).
+    frames = sys._current_frames()
+    stuck = {t.name: "".join(traceback.format_stack(frames[t.ident]))
+             for t in ths if t.is_alive() and t.ident in frames}
+    assert not stuck, f"sessions did not finish in 100 s: {stuck}"
+    assert set(out) == {"sess-X", "sess-Y"}
     assert {r["status"] for r in out.values()} == {"max_rounds"}
     for sid in ("sess-X", "sess-Y"):
         rounds = sorted(x["round"] for x in stub.xargs() if x["job_id"] == sid)
