@@ -43,7 +43,7 @@ GPU, MODEL = "h100-nvl", "qwen3-coder-30b-a3b"
 
 
 def sim(trace: Path, out: Path, policy: str, engines: int, placement: str, tool_cores: int,
-        args: argparse.Namespace, ideal: str = "auto", cpu_budget: str = "node") -> Path:
+        cpu_budget: str, args: argparse.Namespace, ideal: str = "auto") -> Path:
     cmd = [sys.executable, "-m", "mars.cli", "sim", "run", "--trace", str(trace), "--ideal", ideal,
            "--gpu", args.gpu, "--model", args.model, "--policies", policy, "--flat",
            "--out", str(out), "--seed", str(args.seed), "--tool-cores", str(tool_cores),
@@ -158,24 +158,22 @@ def main() -> int:
             raise SystemExit("--static: --tool-cores must divide evenly over the engines")
         for k, p in enumerate(partition(trace, args.engines, out)):
             jobs[f"static-{k}"] = (p, out / f"static-{k}", "mars", 1, "mars",
-                                   args.tool_cores // args.engines)
+                                   args.tool_cores // args.engines, "node")
     print(f"placement: {point}, {args.num_tasks} tasks, "
           f"{args.engines} x EMULATED {args.gpu} x {args.model}, {len(jobs)} simulations",
           file=sys.stderr, flush=True)
     # the first alone: it simulates the ideal latencies (each task alone on one engine); the
     # others read them from the cache, the static parts from a file (their traces differ)
     first = next(iter(jobs))
-    def run(k: str, ideal: str = "auto") -> Path:
-        tp, o, pol, n, pl, cores, *b = jobs[k]
-        return sim(tp, o, pol, n, pl, cores, args, ideal, *b)
-    paths = {first: run(first)}
+    paths = {first: sim(*jobs[first], args)}
     ideal = out / "ideal.json"
     ideal.write_text(json.dumps({t.task_id: t.ideal_s for t in read_results(paths[first]).tasks
                                  if t.ideal_s is not None}))
     rest = [k for k in jobs if k != first]
     with ThreadPoolExecutor(args.jobs) as ex:
         paths.update(zip(rest, ex.map(
-            lambda k: run(k, str(ideal) if k.startswith("static-") else "auto"), rest)))
+            lambda k: sim(*jobs[k], args, str(ideal) if k.startswith("static-") else "auto"),
+            rest)))
     res = {k: read_results(p) for k, p in paths.items()}
     slacks = tuple(float(s) for s in res[next(iter(res))].config.get("slacks") or (2, 3, 5))
     lines = [f"SIMULATED, EMULATED GPU: {args.engines} x {args.gpu} x {args.model}, "

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from mars.procfs import comm, descendants
+
 log = logging.getLogger(__name__)
 
 
@@ -119,26 +121,6 @@ def _bin(name: str) -> str:
 ENGINE_TITLES = ("VLLM::EngineCor",)
 
 
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (Linux /proc; none where it is not readable)."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        kids.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), ()):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
 def renice_engine(server_pid: int, niceness: int) -> int:
     """Set the niceness of every thread of vLLM's EngineCore process under ``server_pid``
     (threads it starts later inherit it) to ``niceness``; the worker that computes, the
@@ -158,11 +140,10 @@ def renice_engine(server_pid: int, niceness: int) -> int:
     done: set[int] = set()
     while True:  # again until no new thread: one not yet reniced may have started some
         fresh = False
-        for pid in _children(server_pid):
+        for pid in descendants(server_pid):
+            if not comm(pid).startswith(ENGINE_TITLES):
+                continue
             try:
-                with open(f"/proc/{pid}/comm") as f:
-                    if not f.read().strip().startswith(ENGINE_TITLES):
-                        continue
                 tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
             except (OSError, ValueError):
                 continue  # (a process that ended meanwhile)

@@ -167,16 +167,16 @@ def test_the_sidecar_shares_the_hosts_cores_between_its_engines():
     for i in range(5):
         es.observe({"kind": "tool_start", "ts": now, "session_id": "a", "call_id": f"c{i}",
                     "tool": "t"})
-    s0, s1 = (es[r].control.pressure_state.signals(now) for r in range(2))
+    s0, s1 = (es[r].control.core.balance.state.signals(now) for r in range(2))
     assert (s0.tool_cores, s1.tool_cores) == (8, 8)  # every engine counts the host's cores
     assert (s0.active_tools, s0.other_tools) == (5, 0)
     assert (s1.active_tools, s1.other_tools) == (0, 5)
     assert s0.cpu_load == s1.cpu_load == pytest.approx(5 / 8)
     # the host's count: each engine keeps its own as far as the count allows
     es.observe({"kind": "tool_num", "ts": now, "active": 7})
-    assert [es[r].control.pressure_state.active_tools for r in range(2)] == [6, 1]
+    assert [es[r].control.core.balance.state.active_tools for r in range(2)] == [6, 1]
     es.observe({"kind": "tool_num", "ts": now, "active": 3})
-    assert [es[r].control.pressure_state.active_tools for r in range(2)] == [3, 0]
+    assert [es[r].control.core.balance.state.active_tools for r in range(2)] == [3, 0]
 
 
 def test_the_split_budget_gives_each_engine_an_equal_share():
@@ -187,11 +187,11 @@ def test_the_split_budget_gives_each_engine_an_equal_share():
     for i in range(5):
         es.observe({"kind": "tool_start", "ts": now, "session_id": "a", "call_id": f"c{i}",
                     "tool": "t"})
-    s0, s1 = (es[r].control.pressure_state.signals(now) for r in range(2))
+    s0, s1 = (es[r].control.core.balance.state.signals(now) for r in range(2))
     assert (s0.tool_cores, s1.tool_cores) == (4, 4)
     assert (s0.other_tools, s1.other_tools) == (0, 0) and s1.cpu_load == 0
     es.observe({"kind": "tool_num", "ts": now, "active": 7})
-    assert [es[r].control.pressure_state.active_tools for r in range(2)] == [4, 3]
+    assert [es[r].control.core.balance.state.active_tools for r in range(2)] == [4, 3]
 
 
 def test_a_bad_cpu_budget_is_refused_by_name():

@@ -35,7 +35,7 @@ def _run(placement: str, trace, tmp_path, sync: bool = False, extra: tuple = (),
     try:
         res = sim.run(trace, "load", placement)
         cores = [(ln.control.sidecar.admission_config.pressure.tool_cores,
-                  ln.control.pressure_state.shares_host) for ln in sim.lanes]
+                  ln.control.core.balance.state.shares_host) for ln in sim.lanes]
         pins = [set(ln.engine.scheduler.mars_cosched.pins.sessions()) for ln in sim.lanes]
     finally:
         sim.close()

@@ -60,12 +60,11 @@ from openhands.tools.terminal.constants import CMD_OUTPUT_PS1_END  # noqa: E402
 
 from .sanitize import sanitize_args  # noqa: E402
 from .session import SessionContext, ToolCallRecord, ToolLimits, get_session  # noqa: E402
+from mars.procfs import children_of, comm  # noqa: E402
 from .workspace import (  # noqa: E402
     PathOutsideWorkspace,
     Workspace,
     alive,
-    children_of,
-    comm,
     kill_tagged,
     resolve_inside,
 )

@@ -28,7 +28,6 @@ from typing import Any
 
 from mars.policy.control.admission import AdmissionConfig, QueueFull
 from mars.policy.control.packing import QueuedSession
-from mars.policy.control.pressure import DualPressureState, NodeTools
 from mars.policy.control.admission_core import (OBSERVED_KINDS, STEP_KINDS, AdmissionCore,
                                          CoreConfig, Listener, SessionState)
 from mars.sidecar.config import SidecarConfig
@@ -97,16 +96,6 @@ class ControlPlane:
         self._last_step = 0.0
 
     # ------------------------------------------------------------------ introspection
-    @property
-    def pressure_state(self) -> DualPressureState:
-        """The dual-pressure state this engine's admission reads."""
-        return self.core.balance.state
-
-    def share_host(self, node: NodeTools) -> None:
-        """Count the host's tool cores with the other engines' control planes in ``node``
-        (``--cpu-budget node``)."""
-        self.core.balance.share_host(node)
-
     @property
     def sessions(self) -> dict[str, Session]:
         return self.core.sessions

@@ -125,7 +125,7 @@ class EngineSet:
             if config.cpu_budget == "node":
                 self.node_tools = NodeTools()
                 for e in self.engines:
-                    e.control.share_host(self.node_tools)
+                    e.control.core.balance.share_host(self.node_tools)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -198,7 +198,7 @@ class EngineSet:
                 # the host's count of running tools: each engine keeps what it tracks of its
                 # own sessions' as far as the count allows (their sum is the host's)
                 shares = split_tool_count(
-                    active, [e.control.pressure_state.tracked_tools for e in self.engines])
+                    active, [e.control.core.balance.state.tracked_tools for e in self.engines])
             else:
                 # each engine holds an equal share of the cores: an equal share of the tools
                 n = len(self.engines)

@@ -17,7 +17,6 @@ from typing import Any, Mapping
 
 from mars.policy.control.admission import QueueFull
 from mars.policy.control.packing import QueuedSession
-from mars.policy.control.pressure import DualPressureState, NodeTools
 from mars.protocol.events import make_event
 from mars.policy.control.admission_core import AdmissionCore, CoreConfig, Listener, SessionState
 from mars.sidecar.config import SidecarConfig, admission_config
@@ -77,16 +76,6 @@ class SimControl:
         #: each queued session's current stay here: a session moved away and back (late
         #: binding) starts a new one, and the timers of an earlier stay are void
         self._stay: dict[str, object] = {}
-
-    @property
-    def pressure_state(self) -> DualPressureState:
-        """The dual-pressure state this engine's admission reads."""
-        return self.core.balance.state
-
-    def share_host(self, node: NodeTools) -> None:
-        """Count the host's tool cores with the other engines' control planes in ``node``
-        (``--cpu-budget node``)."""
-        self.core.balance.share_host(node)
 
     # ------------------------------------------------------------------ hub
     def publish(self, ev: dict[str, Any]) -> None:

@@ -205,7 +205,7 @@ class Simulation:
         if self.multi and cfg.cpu_budget == "node":
             self._node = NodeTools()
             for lane in self.lanes:
-                lane.control.share_host(self._node)
+                lane.control.core.balance.share_host(self._node)
         #: the first engine and its control plane (the only ones with one engine)
         self.engine, self.control = self.lanes[0].engine, self.lanes[0].control
         self.cores = VirtualCores(cfg.tool_cores, self.timeline)

@@ -482,7 +482,8 @@ class DualPressureState:
     @property
     def cpu_load(self) -> float:
         """The host's load (this control plane's tools and, on a shared host, the others')."""
-        return (self.active_tools + self._others()[0]) / self.config.tool_cores
+        others = self._host[0]() if self._host is not None else 0
+        return (self.active_tools + others) / self.config.tool_cores
 
     @property
     def kv_utilisation(self) -> float | None:
