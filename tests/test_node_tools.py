@@ -70,7 +70,9 @@ def test_the_others_demand_is_what_their_admitted_sessions_are_expected_to_run()
 
 @pytest.mark.parametrize("active, tracked, want", [
     (10, [4, 0], [7, 3]),    # more than tracked: the rest spread equally
-    (5, [4, 0], [5, 0]),     # (remainders to the first)
+    (5, [4, 0], [4, 1]),     # (the remainder to the plane tracking fewest,
+    (5, [0, 4], [1, 4]),     # wherever it stands; the first among equals)
+    (7, [3, 1, 1], [3, 2, 2]),
     (3, [4, 0], [3, 0]),     # fewer: taken from the plane tracking most
     (1, [2, 2, 0], [0, 1, 0]),
     (0, [3, 1], [0, 0]),

@@ -609,7 +609,8 @@ class NodeTools:
 def split_tool_count(active: int, tracked: list[int]) -> list[int]:
     """The host's count of running tools (a ``tool_num`` event: the truth at its time)
     shared out over control planes that track ``tracked`` of them each. More than tracked:
-    the rest spread equally (remainders to the first). Fewer: taken one at a time from the
+    the rest spread equally (the
+    remainder to the planes tracking fewest). Fewer: taken one at a time from the
     plane tracking most (the first among equals), so no share goes below 0. Each plane keeps
     its own sessions' count as far as the truth allows: a resync does not move tools between
     engines (an equal split did, and each engine's tools per session with them)."""
@@ -620,7 +621,10 @@ def split_tool_count(active: int, tracked: list[int]) -> list[int]:
         return []
     diff = active - sum(tracked)
     if diff >= 0:
-        return [t + diff // n + (i < diff % n) for i, t in enumerate(tracked)]
+        # the remainder to the planes tracking fewest (the first among equals): always to
+        # the first planes, engine 0 read a tool more than the others at every resync
+        rest = set(sorted(range(n), key=lambda i: (tracked[i], i))[:diff % n])
+        return [t + diff // n + (i in rest) for i, t in enumerate(tracked)]
     out = list(tracked)
     for _ in range(-diff):
         i = max(range(n), key=lambda i: (out[i], -i))
