@@ -185,8 +185,15 @@ class ServerProcess:
     _workdir: str | None = field(default=None, init=False, repr=False)
 
     @property
+    def headless(self) -> bool:
+        """A node of vLLM's data parallelism that runs engines only (``--headless``): no API
+        server, no sidecar; it is up when the API node's server is (vLLM's front end waits
+        for every engine's handshake), so :meth:`start` does not wait for it."""
+        return "--headless" in self.args
+
+    @property
     def sidecar(self) -> bool:
-        return "--no-sidecar" not in self.args
+        return "--no-sidecar" not in self.args and not self.headless
 
     @property
     def url(self) -> str:
@@ -237,6 +244,9 @@ class ServerProcess:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
             try:
+                if self.headless:
+                    self._wait_started()
+                    return self
                 self._wait_ready()
                 if self.engine_nice:
                     self.reniced = renice_engine(self.proc.pid, self.engine_nice)
@@ -256,6 +266,15 @@ class ServerProcess:
                     self._tidy_workdir()
                     raise
         raise AssertionError("unreachable")
+
+    def _wait_started(self, grace_s: float = 2.0) -> None:
+        """A headless node: only that it did not exit at once (a bad flag, a taken port)."""
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return
+        raise RuntimeError(f"mars-vllm serve --headless exited with {self.proc.returncode}; "
+                           f"last log lines:\n{self.tail()}")
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

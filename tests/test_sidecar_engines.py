@@ -197,3 +197,108 @@ def test_the_ranks_of_one_data_parallel_server_each_keep_their_sessions(dp_serve
     assert all(e["engine_events_received"] > 0 for e in st["engines"]), st
     assert {e["rank"]: e["admitted"] for e in st["engines"]} == {
         0: len(by_rank[0]), 1: len(by_rank[1])}
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (data-parallel rank r publishes on P + r)."""
+    import socket
+
+    from mars.launch import free_port
+
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_engines_on_two_nodes_publish_to_one_sidecar_over_tcp():
+    """vLLM's data parallelism across nodes, both "nodes" on this machine as separate
+    process trees that meet over TCP only: the API node runs rank 0 (``--data-parallel-size
+    2 --data-parallel-size-local 1``), a ``--headless`` node rank 1, each engine publishing
+    its events on tcp; the API node's sidecar, told every rank's endpoint, places sessions on
+    both engines by rank header and keeps every round of a session on one."""
+    pytest.importorskip("vllm")
+    import json
+
+    from mars.launch import ServerProcess, free_port
+    from mars.stream.publisher import rank_path
+
+    ev, rpc = _free_port_pair(), free_port()
+    common = ["--emulate", f"{GPU}:{MODEL}", "--policy", "mars", "--data-parallel-size", "2",
+              "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(rpc)]
+    other = ServerProcess(args=[*common, "--headless", "--data-parallel-start-rank", "1",
+                                "--mars-events-endpoint", f"tcp://0.0.0.0:{ev}"]).start()
+    try:
+        endpoints = f"tcp://127.0.0.1:{ev},tcp://127.0.0.1:{ev + 1}"
+        with ServerProcess(args=[*common, "--mars-events-endpoint", f"tcp://127.0.0.1:{ev}",
+                                 "--sidecar-args", json.dumps({"engine-events": endpoints})]
+                           ) as front:
+            files = [front.events_file, rank_path(other.events_file, 1)]
+            sids = [f"mn-s{i}" for i in range(4)]
+            for rnd in range(3):
+                for sid in sids:
+                    r = _round(front.url, sid, rnd, last=rnd == 2)
+                    assert r.status_code == 200, r.text
+            _wait_ends(files, "mn-", 3 * len(sids))
+            by_rank = []
+            for f in files:
+                got: dict[str, set[int]] = {}
+                for e in read_events(f, "gpu_submit"):
+                    if str(e.get("session_id")).startswith("mn-"):
+                        got.setdefault(e["session_id"], set()).add(e.get("round"))
+                by_rank.append(got)
+            # each node's engine served whole sessions, and both served some
+            assert by_rank[0] and by_rank[1], by_rank
+            for sid in sids:
+                assert (sid in by_rank[0]) != (sid in by_rank[1]), by_rank
+                assert (by_rank[0].get(sid) or by_rank[1].get(sid)) == {0, 1, 2}
+            st = httpx.get(front.url + "/v1/mars/state", timeout=10).json()["placement"]
+            # the sidecar read the other node's engine over tcp
+            assert [e["rank"] for e in st["engines"]] == [0, 1]
+            assert all(e["engine_events_received"] > 0 for e in st["engines"]), st
+    finally:
+        other.stop()
+
+
+@pytest.mark.parametrize("extra,match", [
+    # engines on another node cannot read (or be read on) an ipc socket
+    (["--data-parallel-size", "2", "--data-parallel-size-local", "1"], "tcp://0.0.0.0:PORT"),
+    (["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--headless",
+      "--data-parallel-start-rank", "1"], "tcp://0.0.0.0:PORT"),
+    # the API node's sidecar must be told where the other node's engines publish
+    (["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+      "--mars-events-endpoint", "tcp://0.0.0.0:5600"], "1 of the 2 data-parallel engines"),
+    (["--data-parallel-size", "3", "--data-parallel-size-local", "1",
+      "--mars-events-endpoint", "tcp://0.0.0.0:5600",
+      "--sidecar-args", '{"engine-events": "tcp://a:5600,tcp://b:5601"}'], r"\(got 2\)"),
+])
+def test_engines_on_other_nodes_need_tcp_endpoints_and_every_ranks_named(extra, match):
+    pytest.importorskip("vllm")
+    from mars.engine.harness.sim_engine import engine_args_for
+
+    with pytest.raises(SystemExit, match=match):
+        engine_args_for(f"{GPU}:{MODEL}", "mars", extra)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--data-parallel-size", "2"],  # every engine here: the derived endpoints are right
+    ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--headless",
+     "--data-parallel-start-rank", "1", "--mars-events-endpoint", "tcp://0.0.0.0:5600"],
+    ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--no-sidecar",
+     "--mars-events-endpoint", "tcp://0.0.0.0:5600"],
+    ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+     "--mars-events-endpoint", "tcp://0.0.0.0:5600",
+     "--sidecar-args", '{"engine-events": "tcp://127.0.0.1:5600,tcp://b:5601"}'],
+])
+def test_engines_on_several_nodes_with_their_endpoints_are_accepted(extra):
+    pytest.importorskip("vllm")
+    from mars.engine.harness.sim_engine import engine_args_for
+
+    args = engine_args_for(f"{GPU}:{MODEL}", "mars", extra)
+    assert args.data_parallel_size >= 2

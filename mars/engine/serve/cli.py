@@ -227,6 +227,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
     }
     args.additional_config = extra
     args.mars_events_endpoint = endpoint
+    _check_data_parallel_nodes(args)
 
 
 #: what vLLM 0.32 picks for `vllm serve` on a GPU with 70-160 GiB (H100, H200):
@@ -343,6 +344,49 @@ def _check_scheduling_policy(policy: str, scheduling_policy) -> None:
         f"{policy}: its scheduler orders the waiting queue itself (by session, level and "
         "waiting time), which vLLM's priority queue does not allow. Use --policy fcfs to "
         "serve by request priority (stock vLLM), or drop --scheduling-policy.")
+
+
+def _check_data_parallel_nodes(args: argparse.Namespace) -> None:
+    """vLLM's data parallelism across nodes: this server runs ``--data-parallel-size-local``
+    of the ``--data-parallel-size`` engines (the others run on other nodes, started with
+    ``--headless``), or is such a headless node itself. Every engine publishes its events
+    where the one sidecar must read them: an ipc socket (the default endpoint) cannot be read
+    from another node, and the sidecar derives each rank's endpoint from the first one, on
+    its own node, unless told every rank's. Both are refused here, with what to give, instead
+    of serving while the sidecar never hears from the remote engines (their control planes
+    would admit blind)."""
+    dp = _dp_size(args)
+    local = getattr(args, "data_parallel_size_local", None)
+    headless = bool(getattr(args, "headless", False))
+    if dp <= 1 or (not headless and (local is None or local >= dp)):
+        return  # every engine on this node: the endpoints derived here are right
+    endpoint = args.mars_events_endpoint
+    if not endpoint.startswith("tcp://"):
+        raise SystemExit(
+            f"mars-vllm: with data-parallel engines on several nodes (--data-parallel-size "
+            f"{dp}{'' if local is None else f', --data-parallel-size-local {local}'}"
+            f"{', --headless' if headless else ''}) each engine must publish its events where "
+            f"the sidecar on another node can read them, not on {endpoint}: give every node "
+            "--mars-events-endpoint tcp://0.0.0.0:PORT (rank r publishes on PORT + r); "
+            "docs/sidecar.md, *Engines on several nodes*")
+    if headless or args.no_sidecar or getattr(args, "uds", None):
+        return
+    try:
+        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
+    except ValueError:
+        return  # start_sidecar says what is wrong with it
+    named = extra.get("engine-events", extra.get("engine_events")) \
+        if isinstance(extra, dict) else None
+    count = len(str(named).split(",")) if named else 0
+    if count != dp:
+        raise SystemExit(
+            f"mars-vllm: {dp - (local or 0)} of the {dp} data-parallel engines run on other "
+            "nodes, and this server's sidecar cannot know where they publish: name every "
+            "rank's endpoint, in rank order, e.g. --sidecar-args '{\"engine-events\": "
+            "\"tcp://THIS:PORT,...,tcp://OTHER:PORT+r,...\"}'"
+            f"{f' (got {count})' if named else ''}; or --no-sidecar and `mars sidecar "
+            f"--data-parallel-size {dp} --engine-events ...` (docs/sidecar.md, *Engines on "
+            "several nodes*)")
 
 
 def _check_offloading(args: argparse.Namespace, *, emulated: bool, is_cpu: bool) -> None:
