@@ -311,3 +311,22 @@ def test_bad_upstream_lists_are_refused_with_a_clear_line(args, msg):
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_upstream_on_another_host_without_its_events_endpoint_is_warned(capsys):
+    """Its engine events cannot come over the ipc socket derived here; a named endpoint (or
+    none) is what the operator meant, and says nothing."""
+    import argparse
+
+    from mars.cli.sidecar import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--upstream", "http://127.0.0.1:1,http://10.0.0.2:8000"]))
+    err = capsys.readouterr().err
+    assert "http://10.0.0.2:8000 is not on this host" in err and "--engine-events" in err
+    assert cfg.engines_events[1].startswith("ipc://")  # still served (a warning, not a refusal)
+    config_from_args(parser.parse_args(["--upstream", "http://10.0.0.2:8000", "--engine-events",
+                                        "tcp://10.0.0.2:5600"]))
+    config_from_args(parser.parse_args(["--upstream", "http://localhost:8000"]))
+    assert capsys.readouterr().err == ""

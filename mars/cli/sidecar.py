@@ -147,6 +147,22 @@ def _env_keys(*names: str) -> tuple[str, ...]:
     return ()
 
 
+def _on_this_host(url: str) -> bool:
+    """Whether ``url`` names this host by a name that needs no lookup (loopback, or this
+    host's own name): only there can the default ipc endpoint be the engine's."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").lower()
+    if host in ("localhost", "0.0.0.0", "::", socket.gethostname().lower()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
     """The upstream URLs, the first engine's event endpoint, and every engine's when named
     one by one (SidecarConfig checks the counts and derives the data-parallel ranks')."""
@@ -166,6 +182,19 @@ def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], str, tuple[st
 
 def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     urls, first, events = _upstreams(args)
+    config = _config(args, urls, first, events)
+    remote = [u for u in config.upstreams if not _on_this_host(u)]
+    if remote and args.engine_events is None:
+        print(f"mars sidecar: warning: {', '.join(remote)} is not on this host, and its "
+              "engine events are read from an ipc socket here (the default): name each "
+              "engine's endpoint with --engine-events tcp://HOST:PORT (its server's "
+              "--mars-events-endpoint), or none; without events its control plane admits "
+              "blind", file=sys.stderr, flush=True)
+    return config
+
+
+def _config(args: argparse.Namespace, urls: tuple[str, ...], first: str,
+            events: tuple[str, ...]) -> SidecarConfig:
     return SidecarConfig(
         upstream=urls[0], upstreams=urls, engines_events=events,
         placement=args.placement, cpu_budget=args.cpu_budget,
