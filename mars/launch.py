@@ -267,14 +267,20 @@ class ServerProcess:
                     raise
         raise AssertionError("unreachable")
 
-    def _wait_started(self, grace_s: float = 2.0) -> None:
-        """A headless node: only that it did not exit at once (a bad flag, a taken port)."""
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            return
-        raise RuntimeError(f"mars-vllm serve --headless exited with {self.proc.returncode}; "
-                           f"last log lines:\n{self.tail()}")
+    def _wait_started(self) -> None:
+        """A headless node: until mars-vllm has checked its flags and handed over to vLLM
+        (its ``mars: policy=`` line), or has exited (a refused flag, a taken port)."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mars-vllm serve --headless exited with "
+                                   f"{self.proc.returncode}; last log lines:\n{self.tail()}")
+            if "mars: policy=" in self.tail(10**6):  # (the whole log)
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"mars-vllm serve --headless not started in "
+                           f"{self.startup_timeout_s}s:\n{self.tail()}")
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -267,10 +267,13 @@ def test_engines_on_two_nodes_publish_to_one_sidecar_over_tcp():
 
 
 @pytest.mark.parametrize("extra,match", [
-    # engines on another node cannot read (or be read on) an ipc socket
-    (["--data-parallel-size", "2", "--data-parallel-size-local", "1"], "tcp://0.0.0.0:PORT"),
+    # a headless node's engines cannot be read on an ipc socket from another node
     (["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--headless",
       "--data-parallel-start-rank", "1"], "tcp://0.0.0.0:PORT"),
+    (["--data-parallel-size", "2", "--data-parallel-size-local", "1"],
+     "1 of the 2 data-parallel engines"),
+    (["--data-parallel-size", "4", "--nnodes", "2", "--node-rank", "0"],
+     "2 of the 4 data-parallel engines"),
     # the API node's sidecar must be told where the other node's engines publish
     (["--data-parallel-size", "2", "--data-parallel-size-local", "1",
       "--mars-events-endpoint", "tcp://0.0.0.0:5600"], "1 of the 2 data-parallel engines"),
@@ -295,10 +298,56 @@ def test_engines_on_other_nodes_need_tcp_endpoints_and_every_ranks_named(extra, 
     ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
      "--mars-events-endpoint", "tcp://0.0.0.0:5600",
      "--sidecar-args", '{"engine-events": "tcp://127.0.0.1:5600,tcp://b:5601"}'],
+    # this node's engine on ipc (its sidecar is here too), the other's on tcp
+    ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+     "--sidecar-args", '{"engine-events": "ipc:///tmp/x.ipc,tcp://b:5601"}'],
+    ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+     "--sidecar-args", '{"engine-events": "none"}'],
+    # hybrid and external load balancing: each API server fronts its own engines
+    ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+     "--data-parallel-start-rank", "2"],
+    ["--data-parallel-size", "4", "--data-parallel-rank", "3"],
 ])
 def test_engines_on_several_nodes_with_their_endpoints_are_accepted(extra):
     pytest.importorskip("vllm")
     from mars.engine.harness.sim_engine import engine_args_for
 
+    from mars.engine.serve.dp_layout import data_parallel_layout
+
     args = engine_args_for(f"{GPU}:{MODEL}", "mars", extra)
     assert args.data_parallel_size >= 2
+    # every engine publishes at its rank behind its own API server
+    assert args.additional_config["mars"]["rank_base"] == data_parallel_layout(args).rank_base
+
+
+@pytest.mark.parametrize("flags,want", [
+    # (size, local, start, api ranks, rank base, remote)
+    ([], (1, 1, 0, [0], 0, False)),
+    (["--data-parallel-size", "4"], (4, 4, 0, [0, 1, 2, 3], 0, False)),
+    # internal load balancing across nodes: the API node fronts every rank
+    (["--data-parallel-size", "4", "--data-parallel-size-local", "2"],
+     (4, 2, 0, [0, 1, 2, 3], 0, True)),
+    (["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--headless",
+      "--data-parallel-start-rank", "2"], (4, 2, 2, [], 0, True)),
+    (["--data-parallel-size", "4", "--data-parallel-size-local", "0"],
+     (4, 0, 0, [0, 1, 2, 3], 0, True)),
+    # --nnodes infers the local size and, on other nodes, the first rank
+    (["--data-parallel-size", "4", "--nnodes", "2", "--node-rank", "0"],
+     (4, 2, 0, [0, 1, 2, 3], 0, True)),
+    # hybrid: each node's API server fronts its own ranks, by local header
+    (["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+      "--data-parallel-start-rank", "2"], (4, 2, 2, [2, 3], 2, False)),
+    (["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+      "--data-parallel-hybrid-lb"], (4, 2, 0, [0, 1], 0, False)),
+    # external: one engine behind each API server
+    (["--data-parallel-size", "4", "--data-parallel-rank", "3"], (4, 1, 3, [3], 3, False)),
+])
+def test_which_engines_a_server_runs_and_fronts_is_read_as_vllm_reads_it(flags, want):
+    pytest.importorskip("vllm")
+    from mars.engine.serve.cli import build_parser
+    from mars.engine.serve.dp_layout import data_parallel_layout
+
+    parser, _ = build_parser()
+    lay = data_parallel_layout(parser.parse_args(["serve", *flags]))
+    assert (lay.size, lay.local, lay.start, list(lay.api_ranks), lay.rank_base,
+            lay.remote) == want

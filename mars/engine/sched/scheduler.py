@@ -82,9 +82,12 @@ class MarsSchedulerMixin:
         overrides = cfg.get("policy_config") or {}
         ordering = with_config(ordering, overrides.get("ordering"))
         retention = with_config(retention, overrides.get("retention"))
-        # one of several data-parallel engines: its own endpoint and file (the rank vLLM
-        # gives each engine process; 0 without data parallelism)
-        self.mars_dp_rank = int(self.vllm_config.parallel_config.data_parallel_index or 0)
+        # one of several data-parallel engines: its own endpoint and file, at the rank its
+        # API server's header gives it (vLLM's global rank less the first rank that server
+        # fronts: 0 but under hybrid or external load balancing, mars.engine.serve.dp_layout;
+        # 0 without data parallelism)
+        self.mars_dp_rank = int(self.vllm_config.parallel_config.data_parallel_index or 0) \
+            - int(cfg.get("rank_base") or 0)
         self.mars_events = EventPublisher(
             endpoint=rank_endpoint(cfg.get("events_endpoint") or None, self.mars_dp_rank),
             jsonl_path=rank_path(cfg.get("events_file") or None, self.mars_dp_rank),

@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 from mars.policy.registry import POLICY_NAMES
+from mars.engine.serve.dp_layout import data_parallel_layout
 from mars.engine.serve import front, lifecycle
 from mars.stream.publisher import rank_endpoint
 
@@ -217,6 +218,9 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
     extra["mars"] = {
         "policy": args.policy,
         "events_endpoint": endpoint,
+        # engines publish at their rank behind this server's API (hybrid / external LB: its
+        # own ranks, from 0)
+        "rank_base": data_parallel_layout(args).rank_base,
         "events_file": os.path.abspath(args.mars_events_file) if args.mars_events_file else None,
         "snapshot_interval_s": args.mars_snapshot_interval,
         "step_log": os.path.abspath(args.mars_step_log) if args.mars_step_log else None,
@@ -347,29 +351,29 @@ def _check_scheduling_policy(policy: str, scheduling_policy) -> None:
 
 
 def _check_data_parallel_nodes(args: argparse.Namespace) -> None:
-    """vLLM's data parallelism across nodes: this server runs ``--data-parallel-size-local``
-    of the ``--data-parallel-size`` engines (the others run on other nodes, started with
-    ``--headless``), or is such a headless node itself. Every engine publishes its events
-    where the one sidecar must read them: an ipc socket (the default endpoint) cannot be read
-    from another node, and the sidecar derives each rank's endpoint from the first one, on
-    its own node, unless told every rank's. Both are refused here, with what to give, instead
-    of serving while the sidecar never hears from the remote engines (their control planes
-    would admit blind)."""
-    dp = _dp_size(args)
-    local = getattr(args, "data_parallel_size_local", None)
-    headless = bool(getattr(args, "headless", False))
-    if dp <= 1 or (not headless and (local is None or local >= dp)):
-        return  # every engine on this node: the endpoints derived here are right
+    """vLLM's data parallelism across nodes (:mod:`mars.engine.serve.dp_layout`): an API
+    server fronting engines that run on other nodes (started with ``--headless``), or such a
+    headless node itself. Every engine publishes its events where the one sidecar must read
+    them: a headless node's on an ipc socket cannot be read from another node, and an API
+    node's sidecar derives each rank's endpoint on its own node unless told every rank's.
+    Both are refused here, with what to give, instead of serving while the sidecar never
+    hears from the remote engines (their control planes would admit blind). Hybrid and
+    external load balancing need nothing: each API server fronts its own engines, whose
+    endpoints it derives (``rank_base``)."""
+    lay = data_parallel_layout(args)
+    if lay.size <= 1 or not lay.remote:
+        return
     endpoint = args.mars_events_endpoint
-    if not endpoint.startswith("tcp://"):
-        raise SystemExit(
-            f"mars-vllm: with data-parallel engines on several nodes (--data-parallel-size "
-            f"{dp}{'' if local is None else f', --data-parallel-size-local {local}'}"
-            f"{', --headless' if headless else ''}) each engine must publish its events where "
-            f"the sidecar on another node can read them, not on {endpoint}: give every node "
-            "--mars-events-endpoint tcp://0.0.0.0:PORT (rank r publishes on PORT + r); "
-            "docs/sidecar.md, *Engines on several nodes*")
-    if headless or args.no_sidecar or getattr(args, "uds", None):
+    if lay.headless:
+        if lay.local and not endpoint.startswith("tcp://"):
+            raise SystemExit(
+                f"mars-vllm: this --headless node's engines (ranks {lay.start}.."
+                f"{lay.start + lay.local - 1} of {lay.size}) publish their events for a "
+                f"sidecar on another node, which cannot read {endpoint}: give "
+                "--mars-events-endpoint tcp://0.0.0.0:PORT (rank r publishes on PORT + r); "
+                "docs/sidecar.md, *Engines on several nodes*")
+        return
+    if args.no_sidecar or getattr(args, "uds", None):
         return
     try:
         extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
@@ -377,15 +381,18 @@ def _check_data_parallel_nodes(args: argparse.Namespace) -> None:
         return  # start_sidecar says what is wrong with it
     named = extra.get("engine-events", extra.get("engine_events")) \
         if isinstance(extra, dict) else None
+    if isinstance(named, str) and named.strip().lower() in ("none", "off"):
+        return  # no engine stream at all: the operator's choice
+    ranks = len(lay.api_ranks)
     count = len(str(named).split(",")) if named else 0
-    if count != dp:
+    if count != ranks:
         raise SystemExit(
-            f"mars-vllm: {dp - (local or 0)} of the {dp} data-parallel engines run on other "
-            "nodes, and this server's sidecar cannot know where they publish: name every "
-            "rank's endpoint, in rank order, e.g. --sidecar-args '{\"engine-events\": "
+            f"mars-vllm: {ranks - lay.local} of the {ranks} data-parallel engines behind this "
+            "server run on other nodes, and its sidecar cannot know where they publish: name "
+            "every rank's endpoint, in rank order, e.g. --sidecar-args '{\"engine-events\": "
             "\"tcp://THIS:PORT,...,tcp://OTHER:PORT+r,...\"}'"
             f"{f' (got {count})' if named else ''}; or --no-sidecar and `mars sidecar "
-            f"--data-parallel-size {dp} --engine-events ...` (docs/sidecar.md, *Engines on "
+            f"--data-parallel-size {ranks} --engine-events ...` (docs/sidecar.md, *Engines on "
             "several nodes*)")
 
 
@@ -524,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _interrupt_startup)
     if not args.no_sidecar and not getattr(args, "uds", None) \
             and not getattr(args, "headless", False):
-        front.start_sidecar(args, _dp_size(args))
+        front.start_sidecar(args, len(data_parallel_layout(args).api_ranks))
     logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)
