@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -372,6 +373,7 @@ class ConfinedTerminalExecutor(TerminalExecutor):
         """Like the SDK's reset, but the new shell is the confined subprocess shell again."""
         assert self._session is not None
         with suppress(Exception):
+            end_shell_before_close(self._session)
             self._session.close()
         kill_tagged(self.workspace.token)
         self._shell_pid = None
@@ -389,8 +391,45 @@ class ConfinedTerminalExecutor(TerminalExecutor):
 
     def close(self) -> None:
         with suppress(Exception):
+            if self._session is not None:
+                end_shell_before_close(self._session)
             super().close()
         kill_tagged(self.workspace.token)
+
+
+def end_shell_before_close(session: Any, timeout_s: float = 5.0) -> bool:
+    """End a terminal session's shell and wait for its PTY reader thread to stop, before the
+    SDK's ``close()`` closes the PTY.
+
+    The SDK's ``SubprocessTerminal.close`` closes the PTY's master fd first and joins its
+    reader thread after (for 1 s); the reader keeps ``select()`` / ``os.read()`` on that fd
+    *number* until it sees the shell gone. In a process that opens a file or socket meanwhile
+    (two sessions in one process, a runner's worker) the kernel hands out the number at once,
+    and the reader reads the next owner's bytes: measured, a socket opened right after the
+    close lost all it was sent in 1 of 8 closes; in the agent tests, another session's
+    request was read half by the LLM server and half by this reader, and the server waited
+    for the rest until the client's 300 s timeout. Here the shell ends first (``exit``, then
+    SIGKILL to its group), the reader notices within one 0.1 s poll and returns, and only
+    then may the fd close. Returns whether the reader stopped (False: it is still running
+    after ``timeout_s``, and the SDK's close is left to do what it does)."""
+    term = getattr(session, "terminal", None)
+    proc = getattr(term, "process", None)
+    reader = getattr(term, "reader_thread", None)
+    if proc is not None and proc.poll() is None:
+        fd = getattr(term, "_pty_master_fd", None)
+        if fd is not None:
+            with suppress(OSError):
+                os.write(fd, b"exit\n")
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            with suppress(OSError):
+                os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+    if reader is not None and reader.is_alive() and reader is not threading.current_thread():
+        reader.join(timeout=timeout_s)
+    return reader is None or not reader.is_alive()
 
 
 # --------------------------------------------------------------------------- file editor

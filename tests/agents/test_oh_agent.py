@@ -118,7 +118,10 @@ def test_two_sessions_in_one_process_stay_apart(stub, tmp_path):
     # Both sessions must have finished before their rounds are counted. Once, in a full
     # suite run (2026-11-29), one session was still in its second round after 100 s and the
     # test failed on its missing third round, which hid the hang: a hang now fails as one,
-    # with where the session was (the cause of that one is not known yet).
+    # with where the session was. Its cause: the other session's terminal closed its PTY
+    # before the SDK's reader thread stopped, and the reader read part of this session's
+    # request from the stub's socket, which had the fd number next
+    # (tools.end_shell_before_close; test_oh_tools.py reproduces it).
     frames = sys._current_frames()
     stuck = {t.name: "".join(traceback.format_stack(frames[t.ident]))
              for t in ths if t.is_alive() and t.ident in frames}

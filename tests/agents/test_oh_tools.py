@@ -263,3 +263,70 @@ def test_tool_slots_make_enqueue_and_start_differ(ws_base):
         assert s.ctx.summary()["tool_wait_s"] > 0.3
     finally:
         s.close()
+
+
+def _close_then_reuse_the_fd(term, do_close) -> tuple[bool, int]:
+    """Run ``do_close`` and, the instant it closes the terminal's PTY fd, open a socket pair
+    (the kernel gives it the lowest free number: that fd's) and send 100 bytes to it. Returns
+    whether the PTY reader thread was alive when the fd closed, and how many of the bytes
+    were still there for the socket's owner 0.5 s later."""
+    import socket
+
+    import openhands.tools.terminal.terminal.subprocess_terminal as st
+
+    fd, real_close, got = term._pty_master_fd, os.close, {}
+
+    def close(x):
+        real_close(x)
+        if x == fd and "pair" not in got:
+            got["alive"] = term.reader_thread.is_alive()
+            a, b = socket.socketpair()
+            got["pair"] = (a, b)
+            (b if a.fileno() == fd else a).sendall(b"Z" * 100)
+
+    st.os.close = close
+    try:
+        do_close()
+    finally:
+        st.os.close = real_close
+    time.sleep(0.5)
+    a, b = got["pair"]
+    own = a if a.fileno() == fd else b
+    own.setblocking(False)
+    try:
+        left = len(own.recv(1000))
+    except BlockingIOError:
+        left = 0
+    a.close()
+    b.close()
+    return got["alive"], left
+
+
+def test_a_closed_terminal_reads_nothing_that_reuses_its_pty_fd(ws_base, monkeypatch):
+    """The SDK closes the PTY before its reader thread has stopped; the reader then reads
+    whatever next gets that fd number in this process (once, in the agent tests, half of
+    another session's request to the LLM server, which then waited for the rest until the
+    client's 300 s timeout). The executor ends the shell and the reader first. The reader is
+    slowed here (0.3 s before each of its polls) so that the race is certain, not 1 in 8."""
+    import select as select_mod
+
+    import openhands.tools.terminal.terminal.subprocess_terminal as st
+
+    from mars.openhands_integration.tools import ConfinedTerminalExecutor
+
+    class SlowSelect:
+        def select(self, *args, **kwargs):
+            time.sleep(0.3)
+            return select_mod.select(*args, **kwargs)
+
+    monkeypatch.setattr(st, "select", SlowSelect())
+    # the SDK's own close: the race this guards against (the reader steals the bytes)
+    ex = ConfinedTerminalExecutor(Workspace.create(ws_base, "sdk"), ToolLimits())
+    term = ex._session.terminal
+    alive, left = _close_then_reuse_the_fd(term, term.close)
+    ex.close()
+    assert alive and left < 100, (alive, left)
+    # the executor's close: the reader has stopped before the fd closes; nothing is lost
+    ex = ConfinedTerminalExecutor(Workspace.create(ws_base, "mars"), ToolLimits())
+    alive, left = _close_then_reuse_the_fd(ex._session.terminal, ex.close)
+    assert not alive and left == 100, (alive, left)
