@@ -374,6 +374,7 @@ class ConfinedTerminalExecutor(TerminalExecutor):
         assert self._session is not None
         with suppress(Exception):
             end_shell_before_close(self._session)
+        with suppress(Exception):
             self._session.close()
         kill_tagged(self.workspace.token)
         self._shell_pid = None
@@ -393,8 +394,16 @@ class ConfinedTerminalExecutor(TerminalExecutor):
         with suppress(Exception):
             if self._session is not None:
                 end_shell_before_close(self._session)
+        with suppress(Exception):
             super().close()
         kill_tagged(self.workspace.token)
+
+    def __del__(self) -> None:
+        # an executor dropped unclosed (a conversation that failed to start after its tools
+        # were built): the SDK session's own __del__ would close the PTY under a live reader
+        with suppress(Exception):
+            if self._session is not None:
+                end_shell_before_close(self._session)
 
 
 def end_shell_before_close(session: Any, timeout_s: float = 5.0) -> bool:
@@ -411,7 +420,7 @@ def end_shell_before_close(session: Any, timeout_s: float = 5.0) -> bool:
     for the rest until the client's 300 s timeout. Here the shell ends first (``exit``, then
     SIGKILL to its group), the reader notices within one 0.1 s poll and returns, and only
     then may the fd close. Returns whether the reader stopped (False: it is still running
-    after ``timeout_s``, and the SDK's close is left to do what it does)."""
+    after ``timeout_s``; the fd is then left open, never closed under it)."""
     term = getattr(session, "terminal", None)
     proc = getattr(term, "process", None)
     reader = getattr(term, "reader_thread", None)
@@ -429,7 +438,13 @@ def end_shell_before_close(session: Any, timeout_s: float = 5.0) -> bool:
                 proc.wait(timeout=timeout_s)
     if reader is not None and reader.is_alive() and reader is not threading.current_thread():
         reader.join(timeout=timeout_s)
-    return reader is None or not reader.is_alive()
+    if reader is not None and reader.is_alive():
+        # the shell could not be reaped (a process stuck in the kernel): leak the PTY's fd
+        # rather than let its number go to the next file or socket under a live reader
+        term._pty_master_fd = None
+        log.warning("terminal: the PTY reader did not stop; its fd is left open")
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- file editor

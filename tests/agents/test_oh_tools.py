@@ -275,14 +275,18 @@ def _close_then_reuse_the_fd(term, do_close) -> tuple[bool, int]:
     import openhands.tools.terminal.terminal.subprocess_terminal as st
 
     fd, real_close, got = term._pty_master_fd, os.close, {}
+    closed = getattr(term, "_test_closed", None) or __import__("threading").Event()
 
     def close(x):
-        real_close(x)
         if x == fd and "pair" not in got:
             got["alive"] = term.reader_thread.is_alive()
+            real_close(x)
             a, b = socket.socketpair()
             got["pair"] = (a, b)
             (b if a.fileno() == fd else a).sendall(b"Z" * 100)
+            closed.set()
+            return
+        real_close(x)
 
     st.os.close = close
     try:
@@ -291,6 +295,7 @@ def _close_then_reuse_the_fd(term, do_close) -> tuple[bool, int]:
         st.os.close = real_close
     time.sleep(0.5)
     a, b = got["pair"]
+    assert fd in (a.fileno(), b.fileno()), "the socket pair did not get the PTY's fd number"
     own = a if a.fileno() == fd else b
     own.setblocking(False)
     try:
@@ -306,13 +311,31 @@ def test_a_closed_terminal_reads_nothing_that_reuses_its_pty_fd(ws_base, monkeyp
     """The SDK closes the PTY before its reader thread has stopped; the reader then reads
     whatever next gets that fd number in this process (once, in the agent tests, half of
     another session's request to the LLM server, which then waited for the rest until the
-    client's 300 s timeout). The executor ends the shell and the reader first. The reader is
-    slowed here (0.3 s before each of its polls) so that the race is certain, not 1 in 8."""
+    client's 300 s timeout). The executor ends the shell and the reader first. The race is
+    made certain here, not 1 in 8: against the SDK's close the reader's next poll waits until
+    the fd has closed; against the executor's, each poll is slowed by 0.3 s."""
     import select as select_mod
+    import threading
 
     import openhands.tools.terminal.terminal.subprocess_terminal as st
 
     from mars.openhands_integration.tools import ConfinedTerminalExecutor
+
+    # the SDK's own close: the race this guards against (the reader steals the bytes)
+    ex = ConfinedTerminalExecutor(Workspace.create(ws_base, "sdk"), ToolLimits())
+    term = ex._session.terminal
+    gate = term._test_closed = threading.Event()
+
+    class GatedSelect:
+        def select(self, *args, **kwargs):
+            if threading.current_thread() is term.reader_thread:
+                gate.wait(10)  # the reader polls again only once the fd has closed
+            return select_mod.select(*args, **kwargs)
+
+    monkeypatch.setattr(st, "select", GatedSelect())
+    alive, left = _close_then_reuse_the_fd(term, term.close)
+    ex.close()
+    assert alive and left < 100, (alive, left)
 
     class SlowSelect:
         def select(self, *args, **kwargs):
@@ -320,12 +343,6 @@ def test_a_closed_terminal_reads_nothing_that_reuses_its_pty_fd(ws_base, monkeyp
             return select_mod.select(*args, **kwargs)
 
     monkeypatch.setattr(st, "select", SlowSelect())
-    # the SDK's own close: the race this guards against (the reader steals the bytes)
-    ex = ConfinedTerminalExecutor(Workspace.create(ws_base, "sdk"), ToolLimits())
-    term = ex._session.terminal
-    alive, left = _close_then_reuse_the_fd(term, term.close)
-    ex.close()
-    assert alive and left < 100, (alive, left)
     # the executor's close: the reader has stopped before the fd closes; nothing is lost
     ex = ConfinedTerminalExecutor(Workspace.create(ws_base, "mars"), ToolLimits())
     alive, left = _close_then_reuse_the_fd(ex._session.terminal, ex.close)
