@@ -146,3 +146,16 @@ def scheduling(request, monkeypatch):
 
     monkeypatch.setattr(offline, "DEFAULT_ASYNC", request.param == "async")
     return request.param
+
+
+def proc_label(p) -> str:
+    """A ``psutil.Process``'s command line and name, "" for one that has exited meanwhile: a
+    server starts short-lived children, and one not yet reaped (a zombie) or already gone
+    has no command line (psutil raises; once, in a suite run, that failed a lifecycle test
+    looking for the sidecar among a starting server's children)."""
+    import psutil
+
+    try:
+        return " ".join(p.cmdline()) + " " + p.name()
+    except psutil.Error:
+        return ""

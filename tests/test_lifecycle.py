@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import psutil
 
-from tests.conftest import engine_server, read_events, wait_gone
+from tests.conftest import engine_server, proc_label, read_events, wait_gone
 
 httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.engine
@@ -29,6 +29,8 @@ EVENTS_KEY = "sk-tools"
 def _tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
+
+
 
 
 def _ipc_path(srv) -> str:
@@ -144,7 +146,7 @@ def test_engine_death_is_503_and_a_failing_exit(keyed):
     (on two busy cores vLLM's API server can take a call only after a running one ends).
     """
     procs = _tree(keyed.proc.pid)
-    engine = [p for p in procs if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    engine = [p for p in procs if "EngineCore" in proc_label(p)]
     assert engine, [p.name() for p in procs]
     got: dict[str, dict] = {}
 
@@ -198,7 +200,7 @@ def test_killed_server_leaves_no_orphans():
     with engine_server() as srv:
         procs = _tree(srv.proc.pid)
         assert len(procs) >= 3, [p.name() for p in procs]  # server, sidecar, engine, ...
-        engine = [p for p in procs if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        engine = [p for p in procs if "EngineCore" in proc_label(p)]
         assert engine, [p.name() for p in procs]
         engine[0].suspend()
         ended: list[str] = []
@@ -337,7 +339,7 @@ def test_a_dead_sidecar_takes_the_server_down(monkeypatch):
         log = open(srv.log_path).read()
         assert log.count("cannot listen on") == 1 and "Address already in use" in log
         procs = _tree(srv.proc.pid)
-        (sidecar,) = [p for p in procs if "mars.cli.sidecar" in " ".join(p.cmdline())]
+        (sidecar,) = [p for p in procs if "mars.cli.sidecar" in proc_label(p)]
         sidecar.kill()
         assert srv.proc.wait(timeout=60) == 1, srv.tail()
         assert "the sidecar exited with status -9" in srv.tail(200)
@@ -364,7 +366,7 @@ def test_a_sidecar_dead_during_start_up_fails_the_command(tmp_path):
         deadline = time.monotonic() + 120
         while sidecar is None and proc.poll() is None and time.monotonic() < deadline:
             sidecar = next((p for p in _tree(proc.pid)[1:]
-                            if "mars.cli.sidecar" in " ".join(p.cmdline())), None)
+                            if "mars.cli.sidecar" in proc_label(p)), None)
             time.sleep(0.05)
         assert sidecar is not None, log.read_text()[-3000:]
         procs = {p.pid: p for p in _tree(proc.pid)}

@@ -22,7 +22,7 @@ import pytest
 
 from mars.protocol.sse import aiter_sse_lines, iter_sse_lines
 
-from tests.conftest import engine_server, read_events, wait_for_events
+from tests.conftest import engine_server, proc_label, read_events, wait_for_events
 
 pytestmark = pytest.mark.engine
 
@@ -414,7 +414,7 @@ def test_random_disconnects_never_leak_a_slot(server, admit):
     import psutil
 
     tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
-    engine = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    engine = [p for p in tree if "EngineCore" in proc_label(p)]
     assert engine, [p.name() for p in tree]
     left: list[float] = []
 
@@ -473,7 +473,7 @@ def test_engine_killed_mid_stream_then_restarted(stack):
         # server dies (on two busy cores the tiny model can produce a whole stream before the
         # client reads its first chunk); killed once the sidecar has forwarded the call
         tree = [psutil.Process(old.proc.pid), *psutil.Process(old.proc.pid).children(True)]
-        engine = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        engine = [p for p in tree if "EngineCore" in proc_label(p)]
         assert engine
         engine[0].suspend()
 
