@@ -187,8 +187,8 @@ class ServerProcess:
     @property
     def headless(self) -> bool:
         """A node of vLLM's data parallelism that runs engines only (``--headless``): no API
-        server, no sidecar; it is up when the API node's server is (vLLM's front end waits
-        for every engine's handshake), so :meth:`start` does not wait for it."""
+        server, no sidecar; :meth:`start` waits only until mars-vllm has handed it over to
+        vLLM (the API node's server is up once every engine's handshake is done)."""
         return "--headless" in self.args
 
     @property
@@ -244,9 +244,6 @@ class ServerProcess:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
             try:
-                if self.headless:
-                    self._wait_started()
-                    return self
                 self._wait_ready()
                 if self.engine_nice:
                     self.reniced = renice_engine(self.proc.pid, self.engine_nice)
@@ -267,36 +264,30 @@ class ServerProcess:
                     raise
         raise AssertionError("unreachable")
 
-    def _wait_started(self) -> None:
-        """A headless node: until mars-vllm has checked its flags and handed over to vLLM
-        (its ``mars: policy=`` line), or has exited (a refused flag, a taken port)."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mars-vllm serve --headless exited with "
-                                   f"{self.proc.returncode}; last log lines:\n{self.tail()}")
-            if "mars: policy=" in self.tail(10**6):  # (the whole log)
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"mars-vllm serve --headless not started in "
-                           f"{self.startup_timeout_s}s:\n{self.tail()}")
-
     def _wait_ready(self) -> None:
+        """Until the server answers (a headless node, which has no API server: until
+        mars-vllm has checked its flags and handed over to vLLM, its ``mars: policy=``
+        line), or has exited (a refused flag, a taken port)."""
+        what = "mars-vllm serve" + (" --headless" if self.headless else "")
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mars-vllm serve exited with {self.proc.returncode}; "
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}; "
                                    f"last log lines:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/v1/models", headers=self.headers,
-                             timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self._up():
+                return
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"mars-vllm serve not ready in {self.startup_timeout_s}s:\n{self.tail()}")
+        raise TimeoutError(f"{what} not ready in {self.startup_timeout_s}s:\n{self.tail()}")
+
+    def _up(self) -> bool:
+        if self.headless:
+            return "mars: policy=" in self.tail(10**6)  # (the whole log)
+        try:
+            return httpx.get(self.url + "/v1/models", headers=self.headers,
+                             timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def tail(self, n: int = 40) -> str:
         return tail_file(self.log_path, n)

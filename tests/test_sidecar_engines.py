@@ -70,15 +70,22 @@ def _wait_ends(files, prefix: str, n: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def _sessions_by_engine(*servers) -> list[dict[str, set[int]]]:
+def _rounds_by_file(files, prefix: str = "") -> list[dict[str, set[int]]]:
+    """Per engine events file: each session (id starting with ``prefix``) and the rounds
+    that engine was submitted."""
     out = []
-    for srv in servers:
+    for f in files:
         got: dict[str, set[int]] = {}
-        for ev in read_events(srv.events_file, "gpu_submit"):
-            if ev.get("session_id"):
-                got.setdefault(ev["session_id"], set()).add(ev.get("round"))
+        for ev in read_events(f, "gpu_submit"):
+            sid = ev.get("session_id")
+            if sid and str(sid).startswith(prefix):
+                got.setdefault(sid, set()).add(ev.get("round"))
         out.append(got)
     return out
+
+
+def _sessions_by_engine(*servers) -> list[dict[str, set[int]]]:
+    return _rounds_by_file([srv.events_file for srv in servers])
 
 
 def test_every_round_of_a_session_lands_on_one_engine_and_both_serve(stack):
@@ -163,29 +170,19 @@ def test_the_ranks_of_one_data_parallel_server_each_keep_their_sessions(dp_serve
     sids = [f"dpr-s{i}" for i in range(4)]
     files = [srv.events_file, rank_path(srv.events_file, 1)]
 
-    def by_rank() -> list[dict[str, set[int]]]:
-        out = []
-        for f in files:
-            got: dict[str, set[int]] = {}
-            for ev in read_events(f, "gpu_submit"):
-                if ev.get("session_id", "").startswith("dpr-"):
-                    got.setdefault(ev["session_id"], set()).add(ev.get("round"))
-            out.append(got)
-        return out
-
     for rnd in range(2):
         for sid in sids:
             r = _round(srv.url, sid, rnd)
             assert r.status_code == 200, r.text
     _wait_ends(files, "dpr-", 2 * len(sids))
-    placed = by_rank()
+    placed = _rounds_by_file(files, "dpr-")
     # a round that names the other rank itself: the sidecar's placement wins over it
     for sid in sids:
         other = 1 if sid in placed[0] else 0
         r = _round(srv.url, sid, 2, headers={"X-data-parallel-rank": str(other)})
         assert r.status_code == 200, r.text
     _wait_ends(files, "dpr-", 3 * len(sids))
-    by_rank = by_rank()
+    by_rank = _rounds_by_file(files, "dpr-")
     # each rank's scheduler saw its own sessions, every round of each, and none of the other's
     for sid in sids:
         assert (sid in by_rank[0]) != (sid in by_rank[1]), by_rank
@@ -246,13 +243,7 @@ def test_engines_on_two_nodes_publish_to_one_sidecar_over_tcp():
                     r = _round(front.url, sid, rnd, last=rnd == 2)
                     assert r.status_code == 200, r.text
             _wait_ends(files, "mn-", 3 * len(sids))
-            by_rank = []
-            for f in files:
-                got: dict[str, set[int]] = {}
-                for e in read_events(f, "gpu_submit"):
-                    if str(e.get("session_id")).startswith("mn-"):
-                        got.setdefault(e["session_id"], set()).add(e.get("round"))
-                by_rank.append(got)
+            by_rank = _rounds_by_file(files, "mn-")
             # each node's engine served whole sessions, and both served some
             assert by_rank[0] and by_rank[1], by_rank
             for sid in sids:

@@ -182,20 +182,7 @@ def _upstreams(args: argparse.Namespace) -> tuple[tuple[str, ...], str, tuple[st
 
 def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     urls, first, events = _upstreams(args)
-    config = _config(args, urls, first, events)
-    remote = [u for u in config.upstreams if not _on_this_host(u)]
-    if remote and args.engine_events is None:
-        print(f"mars sidecar: warning: {', '.join(remote)} is not on this host, and its "
-              "engine events are read from an ipc socket here (the default): name each "
-              "engine's endpoint with --engine-events tcp://HOST:PORT (its server's "
-              "--mars-events-endpoint), or none; without events its control plane admits "
-              "blind", file=sys.stderr, flush=True)
-    return config
-
-
-def _config(args: argparse.Namespace, urls: tuple[str, ...], first: str,
-            events: tuple[str, ...]) -> SidecarConfig:
-    return SidecarConfig(
+    config = SidecarConfig(
         upstream=urls[0], upstreams=urls, engines_events=events,
         placement=args.placement, cpu_budget=args.cpu_budget,
         data_parallel_size=args.data_parallel_size,
@@ -213,6 +200,14 @@ def _config(args: argparse.Namespace, urls: tuple[str, ...], first: str,
         open_metrics=args.open_metrics,
         log_level=args.log_level, access_log=args.access_log,
         drain_timeout_s=args.drain_timeout)
+    remote = [u for u in config.upstreams if not _on_this_host(u)]
+    if remote and args.engine_events is None:
+        print(f"mars sidecar: warning: {', '.join(remote)} is not on this host, and its "
+              "engine events are read from an ipc socket here (the default): name each "
+              "engine's endpoint with --engine-events tcp://HOST:PORT (its server's "
+              "--mars-events-endpoint), or none; without events its control plane admits "
+              "blind", file=sys.stderr, flush=True)
+    return config
 
 
 def _cmd(args: argparse.Namespace) -> int:

@@ -265,17 +265,19 @@ def test_tool_slots_make_enqueue_and_start_differ(ws_base):
         s.close()
 
 
-def _close_then_reuse_the_fd(term, do_close) -> tuple[bool, int]:
+def _close_then_reuse_the_fd(term, do_close, closed=None) -> tuple[bool, int]:
     """Run ``do_close`` and, the instant it closes the terminal's PTY fd, open a socket pair
     (the kernel gives it the lowest free number: that fd's) and send 100 bytes to it. Returns
     whether the PTY reader thread was alive when the fd closed, and how many of the bytes
-    were still there for the socket's owner 0.5 s later."""
+    were still there for the socket's owner 0.5 s later. ``closed`` (an Event) is set once
+    the bytes are sent."""
     import socket
+    import threading
 
     import openhands.tools.terminal.terminal.subprocess_terminal as st
 
     fd, real_close, got = term._pty_master_fd, os.close, {}
-    closed = getattr(term, "_test_closed", None) or __import__("threading").Event()
+    closed = closed or threading.Event()
 
     def close(x):
         if x == fd and "pair" not in got:
@@ -324,7 +326,7 @@ def test_a_closed_terminal_reads_nothing_that_reuses_its_pty_fd(ws_base, monkeyp
     # the SDK's own close: the race this guards against (the reader steals the bytes)
     ex = ConfinedTerminalExecutor(Workspace.create(ws_base, "sdk"), ToolLimits())
     term = ex._session.terminal
-    gate = term._test_closed = threading.Event()
+    gate = threading.Event()
 
     class GatedSelect:
         def select(self, *args, **kwargs):
@@ -333,7 +335,7 @@ def test_a_closed_terminal_reads_nothing_that_reuses_its_pty_fd(ws_base, monkeyp
             return select_mod.select(*args, **kwargs)
 
     monkeypatch.setattr(st, "select", GatedSelect())
-    alive, left = _close_then_reuse_the_fd(term, term.close)
+    alive, left = _close_then_reuse_the_fd(term, term.close, gate)
     ex.close()
     assert alive and left < 100, (alive, left)
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from mars.policy.registry import POLICY_NAMES
-from mars.engine.serve.dp_layout import data_parallel_layout
+from mars.engine.serve.dp_layout import DataParallelLayout, data_parallel_layout
 from mars.engine.serve import front, lifecycle
 from mars.stream.publisher import rank_endpoint
 
@@ -143,11 +143,6 @@ def check_profile_early(argv: list[str]) -> None:
         raise SystemExit(f"mars-vllm: --emulate: {exc}") from None
 
 
-def _dp_size(args: argparse.Namespace) -> int:
-    """vLLM's data-parallel engines behind this server (``--data-parallel-size``)."""
-    return max(1, int(getattr(args, "data_parallel_size", 1) or 1))
-
-
 def default_events_endpoint(port: int) -> str:
     return f"ipc://{tempfile.gettempdir()}/mars-engine-{port}.ipc"
 
@@ -211,6 +206,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
     extra = args.additional_config if isinstance(getattr(args, "additional_config", None), dict) else {}
     endpoint = args.mars_events_endpoint or default_events_endpoint(args.port)
     extra = dict(extra)
+    layout = data_parallel_layout(args)
     if emulation is not None:
         from mars.engine.executor.emulated_executor import CONFIG_KEY
 
@@ -220,7 +216,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
         "events_endpoint": endpoint,
         # engines publish at their rank behind this server's API (hybrid / external LB: its
         # own ranks, from 0)
-        "rank_base": data_parallel_layout(args).rank_base,
+        "rank_base": layout.rank_base,
         "events_file": os.path.abspath(args.mars_events_file) if args.mars_events_file else None,
         "snapshot_interval_s": args.mars_snapshot_interval,
         "step_log": os.path.abspath(args.mars_step_log) if args.mars_step_log else None,
@@ -231,7 +227,7 @@ def apply_mars_defaults(args: argparse.Namespace, argv: list[str], is_cpu: bool)
     }
     args.additional_config = extra
     args.mars_events_endpoint = endpoint
-    _check_data_parallel_nodes(args)
+    _check_data_parallel_nodes(args, layout)
 
 
 #: what vLLM 0.32 picks for `vllm serve` on a GPU with 70-160 GiB (H100, H200):
@@ -350,7 +346,7 @@ def _check_scheduling_policy(policy: str, scheduling_policy) -> None:
         "serve by request priority (stock vLLM), or drop --scheduling-policy.")
 
 
-def _check_data_parallel_nodes(args: argparse.Namespace) -> None:
+def _check_data_parallel_nodes(args: argparse.Namespace, lay: DataParallelLayout) -> None:
     """vLLM's data parallelism across nodes (:mod:`mars.engine.serve.dp_layout`): an API
     server fronting engines that run on other nodes (started with ``--headless``), or such a
     headless node itself. Every engine publishes its events where the one sidecar must read
@@ -360,7 +356,6 @@ def _check_data_parallel_nodes(args: argparse.Namespace) -> None:
     hears from the remote engines (their control planes would admit blind). Hybrid and
     external load balancing need nothing: each API server fronts its own engines, whose
     endpoints it derives (``rank_base``)."""
-    lay = data_parallel_layout(args)
     if lay.size <= 1 or not lay.remote:
         return
     endpoint = args.mars_events_endpoint
@@ -375,12 +370,8 @@ def _check_data_parallel_nodes(args: argparse.Namespace) -> None:
         return
     if args.no_sidecar or getattr(args, "uds", None):
         return
-    try:
-        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
-    except ValueError:
-        return  # start_sidecar says what is wrong with it
-    named = extra.get("engine-events", extra.get("engine_events")) \
-        if isinstance(extra, dict) else None
+    extra = front.sidecar_options(args)
+    named = extra.get("engine-events", extra.get("engine_events"))
     if isinstance(named, str) and named.strip().lower() in ("none", "off"):
         return  # no engine stream at all: the operator's choice
     ranks = len(lay.api_ranks)
@@ -517,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     apply_mars_defaults(args, argv[1:], _is_cpu_platform())
     cmd.validate(args)
     lifecycle.sweep_stale_ipc(tempfile.gettempdir())  # left by servers that were killed
-    for rank in range(_dp_size(args)):
+    layout = data_parallel_layout(args)
+    for rank in range(layout.size):
         lifecycle.remove_ipc_at_exit(rank_endpoint(
             args.additional_config["mars"]["events_endpoint"], rank))
     # a SIGTERM during the engine's start-up handshake must stop the start-up (vLLM drops it)
@@ -531,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _interrupt_startup)
     if not args.no_sidecar and not getattr(args, "uds", None) \
             and not getattr(args, "headless", False):
-        front.start_sidecar(args, len(data_parallel_layout(args).api_ranks))
+        front.start_sidecar(args, len(layout.api_ranks))
     logger.info("mars: policy=%s, engine events on %s", args.policy, args.mars_events_endpoint)
     print(f"mars: policy={args.policy} engine-events={args.mars_events_endpoint} "
           f"config={json.dumps(args.additional_config['mars'])}", file=sys.stderr, flush=True)

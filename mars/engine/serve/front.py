@@ -85,6 +85,18 @@ def _watch_sidecar(proc, grace_s: float) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def sidecar_options(args: argparse.Namespace) -> dict:
+    """``--sidecar-args``: the extra ``mars sidecar`` options, a JSON object (refused with
+    the reason otherwise)."""
+    try:
+        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
+    except ValueError as exc:
+        raise SystemExit(f"mars-vllm: --sidecar-args is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit("mars-vllm: --sidecar-args must be a JSON object of sidecar options")
+    return extra
+
+
 def start_sidecar(args: argparse.Namespace, dp_size: int):
     """Start ``mars sidecar`` on the public --host/--port and move the engine behind it.
 
@@ -113,13 +125,7 @@ def start_sidecar(args: argparse.Namespace, dp_size: int):
            "--drain-timeout", str(int(getattr(args, "shutdown_timeout", 0) or 0) + 5)]
     if getattr(args, "block_size", None):
         cmd += ["--admission-config", json.dumps({"packing": {"block_size": args.block_size}})]
-    try:
-        extra = json.loads(args.sidecar_args) if args.sidecar_args else {}
-    except ValueError as exc:
-        raise SystemExit(f"mars-vllm: --sidecar-args is not JSON: {exc}") from None
-    if not isinstance(extra, dict):
-        raise SystemExit("mars-vllm: --sidecar-args must be a JSON object of sidecar options")
-    for key, value in extra.items():  # later flags win, so these override the defaults above
+    for key, value in sidecar_options(args).items():  # later flags win, so these override the defaults above
         flag = "--" + str(key).lstrip("-").replace("_", "-")
         if value is True:
             cmd.append(flag)
