@@ -233,6 +233,7 @@ def test_round_gaps_are_timed_on_the_core_s_clock_and_shown_in_the_views():
     assert snap["round_gap_longest_s"] == 1.0
     assert snap["growth_samples"] == 0  # no session has ended: nothing forecast
     assert snap["host_blocks"] is None and snap["engine_share"] is None  # no host tier
+    assert snap["charge"] == "" and snap["signals"]["batch_share"] is None
     assert {s["session_id"]: s["quiet"] for s in c.sessions_view(last_end + 0.5)} == {
         "a": False, "b": True}
     # the core hands BalanceAndAdmit the tool calls queued for a core, and its own forwards

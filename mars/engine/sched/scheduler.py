@@ -38,7 +38,7 @@ from mars.emulate.step_log import StepLogWriter
 from mars.protocol.session import SessionMeta
 from mars.protocol.events import make_event
 from mars.policy.registry import get_policy, with_config
-from mars.policy.engine.step_stats import StepStats
+from mars.policy.engine.step_stats import DecodeCost, StepStats
 from mars.stream.publisher import EventPublisher, rank_endpoint, rank_path
 from mars.engine.sched.calls import EngineCall
 from mars.engine.sched.coordinator import Coordinator
@@ -101,6 +101,9 @@ class MarsSchedulerMixin:
         #: per-request records, the policies' CallViews (dropped when the request is freed)
         self.mars_calls: dict[str, EngineCall] = {}
         self.mars_step_stats = StepStats(min_prefill_tokens=self.block_size)
+        #: a decode step's time against its batch's context, for the control plane
+        #: (``kv_snapshot``'s ``batch_share``)
+        self.mars_decode_cost = DecodeCost()
         self.mars_coord = Coordinator(
             ordering, self.mars_calls, block_size=self.block_size,
             token_budget=self.max_num_scheduled_tokens,
@@ -149,7 +152,7 @@ class MarsSchedulerMixin:
         self._mars_budget_blocks = -(-self.max_num_scheduled_tokens // self.block_size) + 1
         self._mars_blocks_per_running = 2 + -(-self.num_lookahead_tokens // self.block_size)
         # the previous step, for the prefill-rate measurement: (time, tokens, requests)
-        self._mars_last_step: tuple[float, int, int] | None = None
+        self._mars_last_step: tuple[float, int, int, int | None] | None = None
         #: async scheduling: vLLM schedules a step while the one before it still executes,
         #: so the time between two schedule() calls is not the duration of the step
         #: scheduled first. Steps are measured when their output arrives instead: scheduled
@@ -248,9 +251,17 @@ class MarsSchedulerMixin:
             running=0 if idle else len(self.running),
             waiting=0 if idle else self._mars_num_waiting(),
             loading=0 if idle else self._mars_num_loading(),
+            batch_share=self._mars_batch_share(),
             retention_decisions=self.mars_cosched.retention.decision_counts() or None,
             **({"emulated": emu.as_dict()} if emu is not None else {}),
         ))
+
+    def _mars_batch_share(self) -> float | None:
+        """The share of a decode step that grows with its batch's context (its elasticity
+        in the batch, :class:`DecodeCost`) at the recent decode steps' mean context; None
+        while unfitted. Reported idle too: the batch is paused then, not gone."""
+        share = self.mars_decode_cost.batch_share()
+        return None if share is None else round(share, 4)
 
     def _mars_measure_step(self, now: float) -> None:
         """Prefill throughput and decode step time from step boundaries (the previous step's
@@ -259,19 +270,24 @@ class MarsSchedulerMixin:
         last = self._mars_last_step
         if last is None:
             return
-        ts, tokens, reqs = last
+        ts, tokens, reqs, context = last
         if now > ts:
-            self._mars_record_step(tokens, reqs, now - ts, self.mars_coord.take_bounded())
+            self._mars_record_step(tokens, reqs, now - ts, self.mars_coord.take_bounded(),
+                                   context=context)
 
     def _mars_record_step(self, tokens: int, reqs: int, seconds: float,
-                          bounded: bool | None, reserved: float = 0.0) -> None:
+                          bounded: bool | None, reserved: float = 0.0,
+                          context: int | None = None) -> None:
         """One step of ``tokens`` for ``reqs`` calls took ``seconds``: the prefill rate and
         the decode step learn from it, and the bounded prefills' credit is settled (what was
-        reserved for it returned, its measured time charged)."""
+        reserved for it returned, its measured time charged). ``context``: a decode step's
+        batch context tokens (None: the step carried a prefill), for the decode cost fit."""
         if seconds > 0:
             sample = self.mars_step_stats.observe(tokens, reqs, seconds)
             if sample is not None:
                 self.mars_cosched.retention.observe_prefill(*sample)
+            if context is not None:
+                self.mars_decode_cost.observe(reqs, context, seconds)
         self.mars_coord.settle(bounded, max(seconds, 0.0), reserved)
 
     # ------------------------------------------------------------ step hooks
@@ -285,11 +301,11 @@ class MarsSchedulerMixin:
             return  # an empty step (nothing scheduled): not queued, nothing to measure
         while q[0][0] is not out:
             q.popleft()  # a step whose output never came (an engine reset): not measured
-        _, ts, tokens, reqs, bounded, reserved = q.popleft()
+        _, ts, tokens, reqs, bounded, reserved, context = q.popleft()
         self._mars_steps_measured += 1
         start = max(ts, self._mars_prev_done)
         self._mars_prev_done = now
-        self._mars_record_step(tokens, reqs, now - start, bounded, reserved)
+        self._mars_record_step(tokens, reqs, now - start, bounded, reserved, context)
 
     def schedule(self, *args, **kwargs):
         now = self.mars_clock()
@@ -329,10 +345,10 @@ class MarsSchedulerMixin:
                 tokens = out.total_num_scheduled_tokens
                 self._mars_in_flight.append(
                     (out, now, tokens, n_sched, bounded,
-                     coord.reserve(bounded, tokens - n_sched)))
+                     coord.reserve(bounded, tokens - n_sched), self._mars_decode_context(out)))
         else:
-            self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched) \
-                if n_sched else None
+            self._mars_last_step = (now, out.total_num_scheduled_tokens, n_sched,
+                                    self._mars_decode_context(out)) if n_sched else None
         if now >= self._mars_next_snapshot or (not n_sched and not self._mars_idle_published):
             # after scheduling: a request that just arrived at an idle engine is running now,
             # not "waiting with nothing running" (which the sidecar reads as a queue); and
@@ -355,6 +371,15 @@ class MarsSchedulerMixin:
                 self._mars_awaiting_first[c.request_id] = c
                 cosched.on_admitted(c, now)
         return out
+
+    def _mars_decode_context(self, out) -> int | None:
+        """The context tokens a pure decode step's calls read (None: it carries a prefill
+        chunk, or is not a plain one-token-per-call step), for the decode cost fit."""
+        sched = out.num_scheduled_tokens
+        if out.total_num_scheduled_tokens != len(sched):
+            return None
+        reqs = self.requests
+        return sum(reqs[rid].num_computed_tokens for rid in sched if rid in reqs)
 
     def _mars_first_tokens(self, now: float) -> None:
         """``gpu_1st_token`` for admitted calls whose first output token came in the last

@@ -53,6 +53,7 @@ from mars.policy.control.packing import (PackConfig, PackQueue, PackResult, Queu
                                  estimate_blocks)
 from mars.policy.control.pressure import (CPU_BUDGETS, DualPressureState, NodeTools,
                                          PressureConfig, PressureSignals)
+from mars.policy.control.batch_cost import worth_admitting_more
 from mars.policy.control.residency import EngineShare, ResidentShare
 
 
@@ -87,6 +88,13 @@ class AdmissionConfig:
     #: link, not by recompute (:mod:`mars.policy.control.residency`). False: every admitted
     #: context counts whole, as without a host tier (the ablation).
     host_tier: bool = True
+    #: With the share charge (``host_tier``), admit past the whole-context room only while
+    #: the queue is long enough that the door wait saved outweighs the slowdown more
+    #: sessions bring to every decode step (:mod:`mars.policy.control.batch_cost`, from the
+    #: engine share and the engine's fitted ``batch_share``). Off by default: it removed
+    #: three-place's losses to two-place at ILR-3 and cost 5-6 % on the long-session
+    #: held-out workloads (docs/results.md, *The batch cost*). False: the share charge alone.
+    batch_cost: bool = False
     aimd: AIMDConfig = field(default_factory=AIMDConfig)
     packing: PackConfig = field(default_factory=PackConfig)
     pressure: PressureConfig = field(default_factory=PressureConfig)
@@ -94,8 +102,9 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        if not isinstance(self.host_tier, bool):
-            raise ValueError(f"host_tier must be true or false, got {self.host_tier!r}")
+        for name in ("host_tier", "batch_cost"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         fill = self.projected_fill
         if fill is not None and not (isinstance(fill, (int, float)) and math.isfinite(fill)
                                      and fill > 0):
@@ -273,6 +282,10 @@ class StepResult:
     queued: int
     #: (session_id, queued_s, est_blocks) of each admission, for session_admit events
     admissions: list[tuple[str, float, int]] = field(default_factory=list)
+    #: with a host tier, how the packing room charged the admitted contexts: "share", or
+    #: "whole" where the batch cost said more sessions were not worth it ("": no host tier
+    #: in play, or nothing queued)
+    charge: str = ""
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.admitted, self.decision))
@@ -281,7 +294,8 @@ class StepResult:
         """``window_update`` + one ``session_admit`` per admission (schema-valid dicts)."""
         d = self.decision
         reason = d.reason + (f"; pack={self.pack.mode.value}: {self.pack.reason}"
-                             if self.pack else "")
+                             if self.pack else "") + (f"; charge={self.charge}"
+                                                      if self.charge else "")
         evs = [make_event("window_update", ts=now, window=d.window, cpu_cap=d.cpu_cap,
                           kv_cap=d.kv_cap, budget=d.budget, admitted=self.in_use,
                           queued=self.queued, mode=d.mode, reason=reason)]
@@ -383,6 +397,20 @@ class BalanceAndAdmit:
             return projection
         share = self.engine_share_now(now)
         return ResidentShare(projection, share, sig.host_blocks)
+
+    def charged_footprint(self, sig: PressureSignals, now: float,
+                          queued: int) -> tuple[Projection | ResidentShare, str]:
+        """The :meth:`footprint` a step packs ``queued`` sessions against, and how it
+        charges ("share", "whole": the share charge would admit past the whole-context room
+        and the batch cost says it is not worth it now, :mod:`~mars.policy.control.batch_cost`;
+        "": no host tier in play)."""
+        projection = self.footprint(sig, now)
+        if not isinstance(projection, ResidentShare):
+            return projection, ""
+        if self.config.batch_cost and not worth_admitting_more(
+                queued, self.in_use, projection.share, sig.batch_share):
+            return self.projection(now), "whole"
+        return projection, "share"
 
     def session_peak(self, est_blocks: int) -> int:
         """A queued session's expected peak context, from its first prompt's estimate (the
@@ -577,7 +605,7 @@ class BalanceAndAdmit:
         if slots <= 0:
             return False
         sig = self.state.signals(now)
-        projection = self.footprint(sig, now)  # (a fresh one: the packer adds to it)
+        projection, _ = self.charged_footprint(sig, now, 1)  # (fresh: the packer adds to it)
         free = self.room(sig, now, projection)
         probe = QueuedSession("(probe)", now, est_blocks=max(0, int(est_blocks)))
         pack = self.packer.pack([probe], sig, slots, free, now, in_use=self.in_use,
@@ -617,8 +645,9 @@ class BalanceAndAdmit:
         pack: PackResult | None = None
         admitted: list[str] = []
         admissions: list[tuple[str, float, int]] = []
+        charge = ""
         if self._queue:
-            projection = self.footprint(sig, now)
+            projection, charge = self.charged_footprint(sig, now, self.queued)
             free = self.room(sig, now, projection)
             pack = self.packer.pack(self._queue.values(), sig, slots, free, now, in_use=in_use,
                                     footprint=projection, charge_cap=self._fill_blocks(sig))
@@ -631,7 +660,8 @@ class BalanceAndAdmit:
                     self._pending[qs.session_id] = (qs.est_blocks, now + ttl)
                 admitted.append(qs.session_id)
                 admissions.append((qs.session_id, qs.waited(now), qs.est_blocks))
-        result = StepResult(admitted, decision, pack, self.in_use, self.queued, admissions)
+        result = StepResult(admitted, decision, pack, self.in_use, self.queued, admissions,
+                            charge)
         self.last = result
         return result
 

@@ -357,6 +357,9 @@ class AdmissionCore:
             "host_blocks": sig.host_blocks,
             "engine_share": (self.balance.engine_share_now(now)
                              if sig.host_blocks and self.balance.config.host_tier else None),
+            # how the last step's packing room charged the admitted contexts ("share",
+            # "whole": the batch cost held it to whole contexts; "": no host tier or queue)
+            "charge": self.balance.last.charge if self.balance.last else "",
             "signals": {
                 "active_tools": sig.active_tools, "cpu_load": sig.cpu_load,
                 "other_tools": sig.other_tools, "other_demand": sig.other_demand,
@@ -366,7 +369,7 @@ class AdmissionCore:
                 "free_blocks": sig.free_blocks, "used_blocks": sig.used_blocks,
                 "pinned_blocks": sig.pinned_blocks, "kv_utilisation": sig.kv_utilisation,
                 "engine_running": sig.engine_running, "engine_waiting": sig.engine_waiting,
-                "engine_loading": sig.engine_loading,
+                "engine_loading": sig.engine_loading, "batch_share": sig.batch_share,
                 "preemptions": sig.preemptions, "launch_delay_ema_s": sig.launch_delay_ema,
                 "llm_duration_ema_s": sig.llm_duration_ema, "block_size": sig.block_size,
             },

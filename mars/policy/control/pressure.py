@@ -163,6 +163,11 @@ class PressureSignals:
     #: the engine's host tier (vLLM's KV offloading) in blocks of context it holds, as its
     #: ``scheduler_start`` announced (None: none)
     host_blocks: int | None = None
+    #: the share of the engine's decode step that grows with its batch's context, as its
+    #: latest ``kv_snapshot`` reports it (:class:`~mars.policy.engine.step_stats.DecodeCost`:
+    #: at its recent decode steps' mean context; None: not fitted yet, an engine that does not
+    #: report it, or the snapshot stale)
+    batch_share: float | None = None
     #: CPU-bound tool calls running on the same host for the sessions of other engines'
     #: control planes (:class:`NodeTools`; 0 with one engine)
     other_tools: int = 0
@@ -210,6 +215,7 @@ class DualPressureState:
         # KV snapshot
         self._kv: dict[str, int] | None = None
         self._kv_ts: float | None = None
+        self._batch_share: float | None = None
         self.pool_blocks: int | None = None
         self.host_blocks: int | None = None
         self.block_size: int | None = None
@@ -271,10 +277,15 @@ class DualPressureState:
         if min(snap.values()) < 0:
             raise ValueError("negative count in kv_snapshot")
         snap["loading"] = min(snap["loading"], snap["waiting"])
+        share = _get(ev, "batch_share", None)
+        share = float(share) if share is not None else None
+        if share is not None and not 0.0 <= share <= 1.0:
+            raise ValueError("batch_share out of [0, 1] in kv_snapshot")
         # Out-of-order delivery: keep the newest snapshot.
         if self._kv_ts is not None and ts < self._kv_ts:
             return
         self._kv, self._kv_ts = snap, ts
+        self._batch_share = share
         if snap["total_blocks"] > 0:
             self.pool_blocks = snap["total_blocks"]
 
@@ -549,6 +560,7 @@ class DualPressureState:
             tool_starts_total=self.tool_starts_total,
             pool_blocks=self.pool_blocks,
             host_blocks=self.host_blocks,
+            batch_share=self._batch_share if kv is not None else None,
             other_tools=others,
             other_demand=demand,
         )

@@ -117,6 +117,11 @@ class ResidentShare(Footprint):
         self._host = host_blocks
 
     @property
+    def share(self) -> float:
+        """The engine share each admitted context is charged at."""
+        return self._share
+
+    @property
     def whole_peak(self) -> int:
         """The projected contexts' peak, whole (what the host must hold)."""
         return self._inner.peak
