@@ -96,6 +96,29 @@ def test_the_view_draws_client_strings_as_text_never_markup():
     assert "a[/x]" in text and "[red]b" in text and "[bold]t[/]" in text and "h[/]" in text
 
 
+def test_the_header_shows_the_host_tier_and_the_batch_share():
+    """With a host tier the header says its size, the engine share each admitted context is
+    charged at and how the last step charged them; the engine row, the batch's share of a
+    decode step. Without one, neither."""
+    from rich.console import Console
+
+    from mars.top.view import header
+
+    def text(state) -> str:
+        m = TopModel()
+        m.poll(state, [])
+        c = Console(width=160, record=True)
+        c.print(header(m, "http://h:1"))
+        return c.export_text()
+
+    sig = {**_state()["signals"], "batch_share": 0.66}
+    on = text(_state(host_blocks=87381, engine_share=0.61, charge="whole", signals=sig))
+    assert "host tier" in on and "87381 blocks" in on and "engine share 0.61" in on
+    assert "contexts charged whole" in on and "batch share 0.66" in on
+    off = text(_state())
+    assert "host tier" not in off and "batch share" not in off
+
+
 def test_answers_not_from_a_sidecar_are_one_clear_line():
     for state, sessions in (([], []), ({}, {"sessions": [1]}), ({}, [{"id": "x"}])):
         with pytest.raises(ValueError):

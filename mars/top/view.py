@@ -57,11 +57,18 @@ def header(m: TopModel, url: str) -> Table:
               f" of {total} blocks")
     g.add_row("KV", kv)
     loading = sig.get("engine_loading")
+    share = sig.get("batch_share")
     g.add_row("engine", f"running {_num(sig.get('engine_running'))}  waiting "
                         f"{_num(sig.get('engine_waiting'))}"
                         + (f" (loading from host {loading})" if loading else "")
                         + f"  preemptions (recent) "
-                        f"{_num(sig.get('preemptions'))}")
+                        f"{_num(sig.get('preemptions'))}"
+                        + (f"  batch share {share:.2f}" if share is not None else ""))
+    if s.get("host_blocks"):
+        # the host tier (vLLM's KV offloading): what each admitted context is charged
+        g.add_row("host tier", f"{s['host_blocks']} blocks  engine share "
+                               f"{_num(s.get('engine_share'), '{:.2f}')}  contexts charged "
+                               f"{s.get('charge') or '–'}")
     cores = sig.get("tool_cores")
     g.add_row("tools", f"running {_num(sig.get('active_tools'))} on "
                        f"{_num(cores)} cores (load {_num(sig.get('cpu_load'), '{:.2f}')})  "
