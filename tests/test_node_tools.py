@@ -244,6 +244,24 @@ def test_a_tool_on_one_engine_steps_the_others_at_once():
 
     kicked, ran = asyncio.run(main())
     assert kicked and ran  # scheduled, then stepped
+
+    async def session_end(with_tool: bool):
+        """A session's end concerns the others only when it drops tools still running."""
+        es = _engine_set("node")
+        es.router._where["b"] = 0
+        es[0].control.observe({"kind": "session_start", "ts": time.time(), "session_id": "b"})
+        if with_tool:
+            es[0].control.observe({"kind": "tool_start", "ts": time.time(),
+                                   "session_id": "b", "call_id": "c1", "tool": "t"})
+        assert es[1].control._kick is None
+        es.observe({"kind": "session_end", "ts": time.time(), "session_id": "b",
+                    "reason": "done"})
+        kicked = es[1].control._kick is not None
+        await asyncio.sleep(0.05)
+        return kicked
+
+    assert asyncio.run(session_end(with_tool=True))
+    assert not asyncio.run(session_end(with_tool=False))
     es = _engine_set("split")  # an equal share each: the others are not concerned
     es.router._where["a"] = 0
 
