@@ -131,4 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import os
+
+    # the table on stdout alone: vLLM's own log lines (it logs to stdout by default) go to
+    # stderr, as the other experiments' runs keep them out of their tables
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     raise SystemExit(main())
