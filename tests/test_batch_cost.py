@@ -19,8 +19,10 @@ from mars.protocol.events import make_event, parse_event
 def test_more_sessions_are_worth_it_while_the_queue_outweighs_the_slowdown():
     """q / N > e / (1 - e), e = engine share x batch share."""
     assert batch_elasticity(0.5, 0.8) == pytest.approx(0.4)      # threshold 2/3
-    assert not worth_admitting_more(2, 3, 0.5, 0.8)               # q/N = 0.667: level
+    assert not worth_admitting_more(1, 2, 0.5, 0.8)               # q/N = 0.5
     assert worth_admitting_more(3, 4, 0.5, 0.8)                   # 0.75
+    assert not worth_admitting_more(2, 2, 0.5, 1.0)               # e = 1/2: exactly level
+    assert worth_admitting_more(3, 2, 0.5, 1.0)
     assert not worth_admitting_more(1, 10, 0.9, 0.9)              # e = 0.81: needs q > 4.3 N
     assert worth_admitting_more(45, 10, 0.9, 0.9)
     assert not worth_admitting_more(1000, 1, 1.0, 1.0)            # throughput flat: never
@@ -185,7 +187,8 @@ def test_past_the_whole_context_room_only_a_long_enough_queue_is_admitted():
 
 @pytest.mark.parametrize("batch_share,kw", [(0.4, {}), (None, {}), (1.0, {"batch_cost": False})])
 def test_a_cheap_batch_an_unknown_cost_or_the_ablation_keep_the_share_charge(batch_share, kw):
-    """e = 1/3 x 0.4: one queued session against two admitted is worth it; an engine that
+    """e = 1/2 x 0.4 = 0.2 (threshold 0.25): one queued session against two admitted is
+    worth it; an engine that
     has not fitted its cost (or does not report it) gives no evidence against; with
     ``batch_cost`` off the share charge alone decides, as before."""
     ba = _host_tier_engine(batch_share=batch_share, **kw)
@@ -195,8 +198,9 @@ def test_a_cheap_batch_an_unknown_cost_or_the_ablation_keep_the_share_charge(bat
 
 
 def test_the_dry_run_reads_the_batch_cost_as_a_step_would():
-    """A session moved to this engine (placement's dry run) is a queue of one: at e = 1/3
-    against two admitted it is not worth the room past the whole contexts (200 blocks)."""
+    """A session moved to this engine (placement's dry run) is a queue of one: at e = 1/2
+    (threshold 1) against three admitted (q/N = 1/3) it is not worth the room past the whole
+    contexts (190 blocks left); at e = 0.1 it is."""
     ba = _host_tier_engine(batch_share=1.0)
     ba.enqueue("x", 40.0, est_blocks=10)
     ba.step(40.0)  # a last decision to read the window's budget from

@@ -140,9 +140,9 @@ class KvSnapshot(_Base):
     #: of ``waiting``, the requests whose KV is being loaded from another tier (host
     #: memory): they wait for the link, not for compute
     loading: int = Field(ge=0, default=0)
-    #: the share of a decode step that grows with its batch's context, fitted over recent
-    #: steps, at their mean context (mars.policy.engine.step_stats.DecodeCost); absent
-    #: while unfitted
+    #: the share of a decode step that grows with its batch, fitted over recent decode
+    #: steps, at their mean batch (mars.policy.engine.step_stats.DecodeCost); null while
+    #: unfitted (fewer than 64 decode steps, or neither the batch nor its context varied)
     batch_share: float | None = Field(ge=0, le=1, default=None)
     #: admit decisions per rule of the retention policy so far (e.g. Continuum-Dy's
     #: cold_start / dynamic); absent for rules with one rule

@@ -151,13 +151,14 @@ class MarsSchedulerMixin:
         self._mars_roomy = True
         self._mars_budget_blocks = -(-self.max_num_scheduled_tokens // self.block_size) + 1
         self._mars_blocks_per_running = 2 + -(-self.num_lookahead_tokens // self.block_size)
-        # the previous step, for the prefill-rate measurement: (time, tokens, requests)
+        # the previous step, for the prefill-rate measurement: (time, tokens, requests,
+        # its batch's context tokens if a pure decode step, for the decode cost fit)
         self._mars_last_step: tuple[float, int, int, int | None] | None = None
         #: async scheduling: vLLM schedules a step while the one before it still executes,
         #: so the time between two schedule() calls is not the duration of the step
         #: scheduled first. Steps are measured when their output arrives instead: scheduled
         #: steps in order, each (output, time scheduled, tokens, requests, bounded prefill,
-        #: credit reserved for it)
+        #: credit reserved for it, its batch's context tokens if a pure decode step)
         self._mars_async = isinstance(self, AsyncScheduler)
         self._mars_in_flight: collections.deque = collections.deque()
         #: when the last step's output arrived (a step starts executing no earlier)
@@ -257,9 +258,9 @@ class MarsSchedulerMixin:
         ))
 
     def _mars_batch_share(self) -> float | None:
-        """The share of a decode step that grows with its batch's context (its elasticity
-        in the batch, :class:`DecodeCost`) at the recent decode steps' mean context; None
-        while unfitted. Reported idle too: the batch is paused then, not gone."""
+        """The share of a decode step that grows with its batch (its elasticity in the
+        batch, :class:`DecodeCost`) at the recent decode steps' mean batch; None while
+        unfitted. Reported idle too: the batch is paused then, not gone."""
         share = self.mars_decode_cost.batch_share()
         return None if share is None else round(share, 4)
 
@@ -374,7 +375,9 @@ class MarsSchedulerMixin:
 
     def _mars_decode_context(self, out) -> int | None:
         """The context tokens a pure decode step's calls read (None: it carries a prefill
-        chunk, or is not a plain one-token-per-call step), for the decode cost fit."""
+        chunk, or is not a plain one-token-per-call step), for the decode cost fit. Under
+        speculative decoding every step schedules draft tokens, so none is a sample and
+        ``batch_share`` stays unknown (docs/control_plane.md, *Known limitations*)."""
         sched = out.num_scheduled_tokens
         if out.total_num_scheduled_tokens != len(sched):
             return None

@@ -25,14 +25,16 @@ slow with the batch, the CPU plane's own signals cover them), and there each dec
 grows with the batch by the share ``alpha`` the engine fits from its own steps
 (``kv_snapshot``'s ``batch_share``, :class:`~mars.policy.engine.step_stats.DecodeCost`): one
 more session of average context raises the step by ``alpha / N`` of itself. So
-``e = sigma x alpha``. On the emulated H100 NVL x Qwen3-Coder-30B at 5 calls of 20 K tokens
+``e = sigma x alpha`` (with the batch taken as ``sigma x N`` sessions, and ``sigma`` the
+engine share as the packing room measures it, weighted by blocks, not a plain time
+share). On the emulated H100 NVL x Qwen3-Coder-30B at 5 calls of 20 K tokens
 ``alpha`` is about 0.66 and ``sigma`` 0.5-0.8: more sessions are worth it while the queue
 holds from half as many as are admitted to as many, or more. With ``e = 0`` (tools dominate, or the batch costs nothing)
 any queue is worth admitting into; as ``e`` reaches 1 (throughput no longer grows with the
 batch) none is.
 
 Opt-in (``AdmissionConfig.batch_cost``): measured, it removes three places' losses to two
-at ILR-3 (0.93x at three seeds, now 1.00x) and costs the long-session held-out workloads
+at ILR-3 (0.93-0.95x at three seeds, now 1.00x) and costs the long-session held-out workloads
 most of their gain (``swe-long`` 1.13x -> 1.05x over two places), where a short queue is a
 long door wait; and a larger batch slows decodes as much through the admitted sessions'
 prefill chunks as through its size, which ``alpha`` does not see (docs/results.md, *The
@@ -57,8 +59,9 @@ def batch_elasticity(engine_share: float, batch_share: float) -> float:
 
 def worth_admitting_more(queued: int, admitted: int, engine_share: float,
                          batch_share: float | None) -> bool:
-    """Whether admitting past the whole-context room lowers the mean latency of the queued
-    and admitted sessions (module docstring). Unknown ``batch_share`` (the engine has not
+    """Whether admitting past the whole-context room lowers a queued session's expected
+    door wait plus time in the system (module docstring; the admitted sessions' own
+    slowdown is not summed in). Unknown ``batch_share`` (the engine has not
     fitted its decode cost, or does not report it): no evidence against, True. Nothing
     admitted: True (nothing to slow)."""
     if batch_share is None or admitted <= 0:

@@ -81,8 +81,10 @@ class DecodeCost:
     9.1 ms at eight, ``mars emulate step``). Fitted on the context alone, the calls' part
     would go to the intercept wherever contexts vary more than the batch's size, and the
     share would be understated (0.42 where the step-time model gives 0.66, ILR-3). Where
-    the two move together too closely to be told apart (a correlation above 0.99), either
-    alone gives the same share at the mean, and the context's is used.
+    the two move together too closely to be told apart (a correlation above 0.99), the
+    context's alone is used: when each call brings about the same context, either gives
+    about the same share at the mean (exactly, when the context is proportional to the
+    calls); the split between them is not identified there.
 
     Fitted, never assumed: on an emulated GPU it reads the step-time model, on hardware the
     steps' wall time. The EMA's memory (``alpha``) is long against a step (1/alpha steps,
