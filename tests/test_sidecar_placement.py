@@ -89,15 +89,17 @@ def _until(cond, timeout_s: float = 10.0) -> bool:
     return True
 
 
-def _publish_pools(pubs, free) -> None:
-    """Each stand-in engine's start and a pool of 1,000 blocks with ``free[r]`` free."""
+def _publish_pools(pubs, free, batch_share=None) -> None:
+    """Each stand-in engine's start and a pool of 1,000 blocks with ``free[r]`` free (and
+    the share of its decode step that grows with the batch, ``batch_share[r]``)."""
     now = time.time()
     for r, pub in enumerate(pubs):
         pub.publish({"kind": "scheduler_start", "ts": now, "scheduler_cls": "fake",
                      "policy": "mars", "total_blocks": 1000, "block_size": 16, "pid": 1})
         pub.publish({"kind": "kv_snapshot", "ts": now, "total_blocks": 1000,
                      "free_blocks": free[r], "used_blocks": 1000 - free[r],
-                     "running": 1, "waiting": 0})
+                     "running": 1, "waiting": 0,
+                     **({"batch_share": batch_share[r]} if batch_share else {})})
 
 
 @pytest.fixture
@@ -207,7 +209,7 @@ def test_each_engine_has_its_own_window_from_its_own_events(engines, tmp_path):
     free = (20, 900)
 
     def publish() -> None:
-        _publish_pools(pubs, free)
+        _publish_pools(pubs, free, batch_share=(0.7, 0.25))
 
     sc = SidecarProcess(",".join(e.url for e in engines), args=[
         "--engine-events", ",".join(eps), "--events-file", str(tmp_path / "events.jsonl")])
@@ -231,6 +233,15 @@ def test_each_engine_has_its_own_window_from_its_own_events(engines, tmp_path):
             assert {k: float(v) for k, v in metrics.items()} == pytest.approx({
                 'mars_sidecar_kv_utilisation{engine="0"}': 0.98,
                 'mars_sidecar_kv_utilisation{engine="1"}': 0.1})
+            # each engine's fitted batch share, from its own snapshots (and no host tier:
+            # no engine share)
+            text = httpx.get(sc.url + "/metrics").text
+            shares = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                          if line.startswith("mars_sidecar_engine_batch_share{"))
+            assert {k: float(v) for k, v in shares.items()} == pytest.approx({
+                'mars_sidecar_engine_batch_share{engine="0"}': 0.7,
+                'mars_sidecar_engine_batch_share{engine="1"}': 0.25})
+            assert "mars_sidecar_engine_share{" not in text
     finally:
         for pub in pubs:
             pub.close()

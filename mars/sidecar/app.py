@@ -474,6 +474,12 @@ class Sidecar:
             "engine_requests_loading": ("Of the waiting engine requests, those whose KV is "
                                         "being loaded from the host tier",
                                         s["engine_loading"]),
+            "engine_batch_share": ("Share of the engine's decode step that grows with its "
+                                   "batch, as the engine fits it (the batch cost's alpha)",
+                                   s["batch_share"]),
+            "engine_share": ("With a host tier: the measured fraction of the admitted contexts' "
+                             "time with a call in the engine, each context's charge",
+                             snap["engine_share"]),
             "preemptions_recent": ("Engine preemptions in the trailing window", s["preemptions"]),
             "upstream_up": ("1 if the last upstream contact succeeded", None if up is None else int(up)),
             "sse_subscribers": ("Open event-stream subscriptions", self.hub.subscribers),
