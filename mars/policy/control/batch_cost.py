@@ -27,11 +27,11 @@ grows with the batch by the share ``alpha`` the engine fits from its own steps
 more session of average context raises the step by ``alpha / N`` of itself. So
 ``e = sigma x alpha`` (with the batch taken as ``sigma x N`` sessions, and ``sigma`` the
 engine share as the packing room measures it, weighted by blocks, not a plain time
-share). On the emulated H100 NVL x Qwen3-Coder-30B at 5 calls of 20 K tokens
-``alpha`` is about 0.66 and ``sigma`` 0.5-0.8: more sessions are worth it while the queue
-holds from half as many as are admitted to as many, or more. With ``e = 0`` (tools dominate, or the batch costs nothing)
-any queue is worth admitting into; as ``e`` reaches 1 (throughput no longer grows with the
-batch) none is.
+share). On the emulated H100 NVL x Qwen3-Coder-30B at 5 calls of 20 K tokens ``alpha``
+is about 0.66 and ``sigma`` 0.5-0.8: more sessions are worth it while the queue holds from
+half as many as are admitted to as many, or more. With ``e = 0`` (tools dominate, or the
+batch costs nothing) any queue is worth admitting into; as ``e`` reaches 1 (throughput no
+longer grows with the batch) none is.
 
 Opt-in (``AdmissionConfig.batch_cost``): measured, it removes three places' losses to two
 at ILR-3 (0.93-0.95x at three seeds, now 1.00x) and costs the long-session held-out workloads
