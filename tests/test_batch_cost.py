@@ -10,10 +10,10 @@ import pytest
 
 from mars.policy.control.admission import AdmissionConfig, BalanceAndAdmit
 from mars.policy.control.batch_cost import batch_elasticity, worth_admitting_more
-from mars.policy.control.packing import PackConfig
 from mars.policy.control.pressure import DualPressureState
 from mars.policy.engine.step_stats import DecodeCost
 from mars.protocol.events import make_event, parse_event
+from tests.test_policy_residency import _cfg, _session, _start
 
 
 def test_more_sessions_are_worth_it_while_the_queue_outweighs_the_slowdown():
@@ -130,34 +130,16 @@ def test_the_batch_share_travels_with_the_kv_snapshot():
                                used_blocks=0, batch_share=1.2))
 
 
-def _cfg(**kw) -> AdmissionConfig:
-    return AdmissionConfig(packing=PackConfig(kv_reserve_frac=0.0), growth_forecast=False, **kw)
-
-
 def _host_tier_engine(batch_share: float | None, **kw) -> BalanceAndAdmit:
-    """With the batch cost on: a 1000-block pool over a host tier; eight ended sessions and two admitted ones of
-    400 blocks each, paused in tools, spent half their time in the engine: engine share
-    1/2, so the share charge leaves 600 blocks, the whole one 200."""
+    """With the batch cost on: a 1000-block pool over a host tier; eight ended sessions and
+    two admitted ones of 400 blocks each, paused in tools, spent half their time in the
+    engine: engine share 1/2, so the share charge leaves 600 blocks, the whole one 200."""
     ba = BalanceAndAdmit(_cfg(**{"batch_cost": True, **kw}))
-    ba.observe(make_event("scheduler_start", ts=0.0, scheduler_cls="x", policy="mars",
-                          total_blocks=1000, block_size=16, pid=1, host_blocks=10_000))
-
-    def session(sid: str, t: float, blocks: int, busy: float, life: float | None) -> None:
-        ba.enqueue(sid, t, est_blocks=blocks)
-        ba.observe(_snapshot(t, 1000))
-        assert ba.step(t).admitted == [sid]
-        ba.observe(make_event("gpu_submit", ts=t, session_id=sid, request_id=f"{sid}.0",
-                              round=0, prompt_tokens=blocks * 16, projected_blocks=blocks))
-        ba.observe(make_event("gpu_end", ts=t + busy, session_id=sid, request_id=f"{sid}.0",
-                              prompt_tokens=blocks * 16, output_tokens=1, reason="stop",
-                              duration_s=busy))
-        if life is not None:
-            ba.observe(make_event("session_end", ts=t + life, session_id=sid, reason="done"))
-
+    _start(ba, 0.0, total=1000, host=10_000)
     for i in range(8):
-        session(f"old{i}", float(i), 100, busy=10.0, life=20.0)
+        _session(ba, f"old{i}", float(i), 100, busy=10.0, life=20.0)
     for sid in ("a", "b"):
-        session(sid, 30.0, 400, busy=5.0, life=None)
+        _session(ba, sid, 30.0, 400, busy=5.0, life=0.0, end=False)
     ba.observe(_snapshot(40.0, 1000, running=2,
                          **({"batch_share": batch_share} if batch_share is not None else {})))
     assert ba.engine_share_now(40.0) == pytest.approx(0.5)
