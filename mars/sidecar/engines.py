@@ -222,8 +222,7 @@ class EngineSet:
             # tools still running, which its end drops): the other engines' caps read them
             # at once, not at their next timer step. Any other session end changes only
             # its own engine's expected tools, which the others read at their next step
-            # (``step_interval_s``), as in ``mars sim``; kicking every engine on every
-            # session end was a tenth of the sidecar's CPU at eight engines
+            # (``step_interval_s``), as in ``mars sim``
             for e in self.engines:
                 if e.rank != rank:
                     e.control.kick()

@@ -409,7 +409,7 @@ class BalanceAndAdmit:
             return projection, ""
         if self.config.batch_cost and not worth_admitting_more(
                 queued, self.in_use, projection.share, sig.batch_share):
-            return self.projection(now), "whole"
+            return projection.whole, "whole"
         return projection, "share"
 
     def session_peak(self, est_blocks: int) -> int:

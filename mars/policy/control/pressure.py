@@ -163,10 +163,10 @@ class PressureSignals:
     #: the engine's host tier (vLLM's KV offloading) in blocks of context it holds, as its
     #: ``scheduler_start`` announced (None: none)
     host_blocks: int | None = None
-    #: the share of the engine's decode step that grows with its batch's context, as its
-    #: latest ``kv_snapshot`` reports it (:class:`~mars.policy.engine.step_stats.DecodeCost`:
-    #: at its recent decode steps' mean context; None: not fitted yet, an engine that does not
-    #: report it, or the snapshot stale)
+    #: the share of the engine's decode step that grows with its batch, as its latest
+    #: ``kv_snapshot`` reports it (:class:`~mars.policy.engine.step_stats.DecodeCost`: at its
+    #: recent decode steps' mean batch; None: not fitted yet, an engine that does not report
+    #: it, or the snapshot stale)
     batch_share: float | None = None
     #: CPU-bound tool calls running on the same host for the sessions of other engines'
     #: control planes (:class:`NodeTools`; 0 with one engine)

@@ -122,6 +122,12 @@ class ResidentShare(Footprint):
         return self._share
 
     @property
+    def whole(self) -> "Projection":
+        """The projected contexts charged whole (the wrapped projection itself: once it is
+        taken, this wrapper is not to be packed against)."""
+        return self._inner
+
+    @property
     def whole_peak(self) -> int:
         """The projected contexts' peak, whole (what the host must hold)."""
         return self._inner.peak
