@@ -1,7 +1,7 @@
 """The sidecar's CPU per request against the number of engines behind it (#34), in one run.
 
     .venv/bin/python experiments/bench_sidecar_engines.py [--engines 1,2,4,8]
-        [--sessions 300] [--rounds 4] [--concurrency 32] [--json out.json]
+        [--sessions 300] [--rounds 4] [--concurrency 32] [--per-engine] [--json out.json]
 
 With several engines the sidecar runs one control plane, one event reader and one HTTP
 client per engine, places every new session by pricing each engine, and after each control
@@ -18,6 +18,15 @@ load generator. The number is the sidecar process's CPU time (user + system, fro
 the machine's cores do not enter it, only the sidecar's own work. A real engine's
 calls last longer, so sessions overlap more and queues form; the stand-ins make the
 per-call cost, not the queueing, the subject.
+
+Two shapes of load. By default the same sessions at every engine count (a fixed load on the
+node, spread thinner as engines are added): what an operator adding engines for headroom
+pays. With ``--per-engine``, ``--sessions`` and ``--concurrency`` are per engine (n engines
+get n times both): a fixed load per engine, the issue's scaling question, where each
+engine's own periodic work (its KV snapshots, its control plane's timer steps) is spread
+over as many calls at every engine count and only what grows with the engines per call
+(pricing every engine for a new session, looking at every engine for a late binding) is
+left to rise.
 
 Not a test: numbers depend on the machine (its CPU speed; the 2-core test machine is slow);
 the ratios between engine counts are the result. docs/results.md has a run.
@@ -168,16 +177,18 @@ def measure(n: int, args: argparse.Namespace, tmp: Path) -> dict:
             raise RuntimeError("the stand-in engines did not start")
         sidecar = SidecarProcess(",".join(f"http://127.0.0.1:{p}" for p in ports), [
             "--admission", "on", "--engine-events", ",".join(eps)]).start()
-        asyncio.run(_load(sidecar.url, min(20, args.sessions), args.rounds,
-                          args.concurrency, f"warm{n}"))  # connections, first events
+        scale = n if args.per_engine else 1
+        sessions, concurrency = args.sessions * scale, args.concurrency * scale
+        asyncio.run(_load(sidecar.url, min(20 * scale, sessions), args.rounds,
+                          concurrency, f"warm{n}"))  # connections, first events
         time.sleep(1.0)
         runs = []
         for rep in range(args.reps):
             cpu0, t0 = _cpu_s(sidecar.proc.pid), time.perf_counter()
-            ok = asyncio.run(_load(sidecar.url, args.sessions, args.rounds, args.concurrency,
+            ok = asyncio.run(_load(sidecar.url, sessions, args.rounds, concurrency,
                                    f"e{n}r{rep}"))
             wall, cpu = time.perf_counter() - t0, _cpu_s(sidecar.proc.pid) - cpu0
-            calls = args.sessions * args.rounds
+            calls = sessions * args.rounds
             if ok != calls:
                 raise RuntimeError(f"{n} engines: {calls - ok} of {calls} calls failed")
             runs.append({"cpu_us_per_call": cpu / calls * 1e6, "calls_per_s": calls / wall})
@@ -204,7 +215,9 @@ def render(res: dict) -> str:
         base = base or cpu
         rows.append(f"| {r['engines']} | {cpu:.0f} | {thr:.0f} | {cpu / base:.2f}× |")
     a = res["args"]
-    rows += ["", f"{a['sessions']} sessions × {a['rounds']} calls, {a['concurrency']} at a time, "
+    each = " per engine" if a.get("per_engine") else ""
+    rows += ["", f"{a['sessions']} sessions{each} × {a['rounds']} calls, {a['concurrency']}{each} "
+             "at a time, "
              f"{a['reps']} repetitions per engine count; stand-in engines (answer at once, "
              f"publish each call's events and a KV snapshot every 0.5 s). Machine: "
              f"{os.cpu_count()} CPUs, load average {res['loadavg'][0][0]:.1f} before / "
@@ -221,6 +234,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="calls per session")
     ap.add_argument("--concurrency", type=int, default=32, help="sessions at a time")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per engine count")
+    ap.add_argument("--per-engine", action="store_true",
+                    help="--sessions and --concurrency per engine (a fixed load per engine) "
+                         "instead of for the node")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
     try:
