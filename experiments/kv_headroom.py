@@ -11,9 +11,10 @@ sessions in, and a larger batch decodes slower, so a larger pool can be slower.
 
 It also reads from the x1 run why the door holds sessions there:
 
-* **engine share**: the share of the sessions' time with a call in the engine (from each
-  call's submission to its end, less the first call's wait at the door), against their time
-  in tools. Only the tool time is time a host tier can take a context out of GPU memory.
+* **engine share**: the share of the admitted sessions' time with a call in the engine,
+  plain and weighted by each context's blocks (as the admission's share charge counts it).
+  Only the rest is time a host tier can take a context out of GPU memory. Weighted by
+  blocks, it is the share of the admitted contexts' KV that must stay resident.
 * **door wait**: the mean wait of a session before admission.
 * **KV while queued**: free blocks, the engine's running calls and the window's free slots,
   time-weighted over the time some session waits at the door. Free blocks there are KV that
@@ -67,6 +68,54 @@ def pool_blocks(run: Path) -> int:
     raise SystemExit(f"{run}: no scheduler_start event")
 
 
+class _Shares:
+    """Each admitted session's time with a call in the engine (``gpu_submit`` to
+    ``gpu_end``) against its time admitted (``session_admit`` to ``session_end``), plain and
+    weighted by its context's blocks (its largest prompt so far), as the admission's engine
+    share counts it (:class:`mars.policy.control.residency.EngineShare`)."""
+
+    def __init__(self) -> None:
+        self.block_size = 16
+        self._since: dict[str, float] = {}  # admitted sessions: their last account
+        self._blocks: dict[str, int] = {}
+        self._calls: dict[str, int] = {}
+        self.busy = self.life = self.busy_bs = self.life_bs = 0.0
+
+    def _account(self, sid: str, t: float) -> None:
+        if sid in self._since:
+            dt, b = t - self._since[sid], self._blocks.get(sid, 0)
+            self.life += dt
+            self.life_bs += b * dt
+            if self._calls.get(sid, 0) > 0:
+                self.busy += dt
+                self.busy_bs += b * dt
+            self._since[sid] = t
+
+    def observe(self, ev: dict) -> None:
+        kind, sid, t = ev["kind"], ev.get("session_id"), ev["ts"]
+        if kind == "scheduler_start":
+            self.block_size = int(ev.get("block_size") or self.block_size)
+        if sid is None:
+            return
+        if kind == "session_admit":
+            self._since[sid] = t
+        elif kind in ("gpu_submit", "gpu_end", "session_end"):
+            self._account(sid, t)
+            if kind == "gpu_submit":
+                self._calls[sid] = self._calls.get(sid, 0) + 1
+                blocks = -(-int(ev.get("prompt_tokens") or 0) // self.block_size)
+                self._blocks[sid] = max(self._blocks.get(sid, 0), blocks)
+            elif kind == "gpu_end":
+                self._calls[sid] = max(0, self._calls.get(sid, 0) - 1)
+            else:
+                self._since.pop(sid, None)
+
+    def shares(self) -> tuple[float, float]:
+        nan = float("nan")
+        return (self.busy / self.life if self.life else nan,
+                self.busy_bs / self.life_bs if self.life_bs else nan)
+
+
 def read(run: Path) -> dict:
     """Latency and the door's state from a run's results and events."""
     r = json.loads((run / "mars" / "results.json").read_text())
@@ -74,6 +123,7 @@ def read(run: Path) -> dict:
     waits: dict[str, float] = {}
     queued, snap, budget, admitted, last = 0, None, 0, 0, None
     acc = {"free": 0.0, "running": 0.0, "slots": 0.0, "t": 0.0}
+    shares = _Shares()
     with open(run / "mars" / "events.jsonl") as f:
         for line in f:
             ev = json.loads(line)
@@ -85,6 +135,7 @@ def read(run: Path) -> dict:
                 acc["running"] += dt * snap["running"]
                 acc["slots"] += dt * max(0, budget - admitted)
             last = t
+            shares.observe(ev)
             kind = ev["kind"]
             if kind == "kv_snapshot":
                 snap = ev
@@ -92,18 +143,11 @@ def read(run: Path) -> dict:
                 queued, budget, admitted = ev["queued"], ev["budget"], ev["admitted"]
             elif kind == "session_admit":
                 waits[ev["session_id"]] = ev["queued_s"]
-    engine = tools = 0.0
-    for t in r["tasks"]:
-        for x in t["rounds"]:
-            if x.get("end_s") is not None and x.get("submit_s") is not None:
-                door = waits.get(t["task_id"], 0.0) if x.get("index") == 0 else 0.0
-                engine += x["end_s"] - x["submit_s"] - door
-            if x.get("tool_end_s") is not None and x.get("tool_enqueue_s") is not None:
-                tools += x["tool_end_s"] - x["tool_enqueue_s"]
     q = acc["t"]
+    plain, weighted = shares.shares()
     return {"mean": s["latency_s"]["mean"], "p90": s["latency_s"]["p90"],
             "done": sum(t["status"] == "completed" for t in r["tasks"]), "tasks": len(r["tasks"]),
-            "engine_share": engine / (engine + tools) if engine + tools else float("nan"),
+            "engine_share": plain, "engine_share_blocks": weighted,
             "door_wait": sum(waits.values()) / len(waits) if waits else 0.0, "queued_s": q,
             "free_q": acc["free"] / q if q else float("nan"),
             "running_q": acc["running"] / q if q else float("nan"),
@@ -151,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     for m, x in rows:
         lines.append(f"| x{m:g} | {x['done']}/{x['tasks']} | {x['mean']:,.1f} | "
                      f"{x['p90']:,.1f} | {one['mean'] / x['mean']:.2f}x | {x['door_wait']:.1f} |")
-    lines += ["", f"At x1: engine share {one['engine_share']:.0%} of the sessions' time; while "
+    lines += ["", f"At x1: engine share {one['engine_share']:.0%} of the admitted sessions' time, "
+              f"{one['engine_share_blocks']:.0%} weighted by their contexts' blocks; while "
               f"some session waited at the door ({one['queued_s']:.0f} s), {one['free_q']:.0%} "
               f"of the KV free, {one['running_q']:.1f} calls running, {one['slots_q']:.1f} free "
               "window slots (time-weighted)."]

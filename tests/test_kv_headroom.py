@@ -24,24 +24,28 @@ def _run(tmp_path: Path) -> Path:
         {"kind": "scheduler_start", "ts": 0.0, "total_blocks": 99, "block_size": 16},
         {"kind": "kv_snapshot", "ts": 0.0, "total_blocks": 99, "free_blocks": 99,
          "running": 0},
+        # b: admitted at once; a call of 10 blocks for 2 s, then a tool for 2 s
+        {"kind": "session_admit", "ts": 0.0, "session_id": "b", "queued_s": 0.0},
+        {"kind": "gpu_submit", "ts": 0.0, "session_id": "b", "prompt_tokens": 160},
         {"kind": "window_update", "ts": 1.0, "queued": 1, "budget": 4, "admitted": 1},
         # queued from 1 to 5 s: free 99 of 99 for 1 s, then 33 of 99 for 3 s
         {"kind": "kv_snapshot", "ts": 2.0, "total_blocks": 99, "free_blocks": 33,
          "running": 2},
-        {"kind": "session_admit", "ts": 5.0, "session_id": "a", "queued_s": 1.0},
+        {"kind": "gpu_end", "ts": 2.0, "session_id": "b"},
+        {"kind": "session_end", "ts": 4.0, "session_id": "b"},
+        # a: waited 4 s at the door; a call of 31 blocks (481 tokens) for 1 s, ends 1 s later
+        {"kind": "session_admit", "ts": 5.0, "session_id": "a", "queued_s": 4.0},
         {"kind": "window_update", "ts": 5.0, "queued": 0, "budget": 4, "admitted": 2},
-        {"kind": "session_admit", "ts": 6.0, "session_id": "b", "queued_s": 0.0},
+        {"kind": "gpu_submit", "ts": 5.0, "session_id": "a", "prompt_tokens": 481},
+        {"kind": "gpu_end", "ts": 6.0, "session_id": "a"},
         # not queued: not counted
-        {"kind": "kv_snapshot", "ts": 9.0, "total_blocks": 99, "free_blocks": 0,
+        {"kind": "kv_snapshot", "ts": 6.5, "total_blocks": 99, "free_blocks": 0,
          "running": 9},
+        {"kind": "session_end", "ts": 7.0, "session_id": "a"},
     ]
     (run / "mars" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
-    rounds = [  # 1 s at the door, 5 s in the engine, 2 s in a tool
-        {"index": 0, "submit_s": 0.0, "end_s": 4.0, "tool_enqueue_s": 4.0, "tool_end_s": 6.0},
-        {"index": 1, "submit_s": 6.0, "end_s": 8.0, "tool_enqueue_s": None,
-         "tool_end_s": None}]
     results = {"summary": {"latency_s": {"mean": 8.0, "p90": 8.0}},
-               "tasks": [{"task_id": "a", "status": "completed", "rounds": rounds},
+               "tasks": [{"task_id": "a", "status": "completed", "rounds": []},
                          {"task_id": "b", "status": "failed", "rounds": []}]}
     (run / "mars" / "results.json").write_text(json.dumps(results))
     return run
@@ -53,8 +57,10 @@ def test_reads_the_pool_and_the_door(tmp_path):
     assert kv_headroom.pool_blocks(run) == 100
     x = kv_headroom.read(run)
     assert (x["done"], x["tasks"]) == (1, 2)
-    assert x["engine_share"] == pytest.approx(5 / 7)  # the door's second is no engine time
-    assert x["door_wait"] == pytest.approx(0.5)  # (1 + 0) / 2
+    # b: 2 s of 4 in the engine at 10 blocks; a: 1 s of 2 at 31 blocks
+    assert x["engine_share"] == pytest.approx(3 / 6)
+    assert x["engine_share_blocks"] == pytest.approx((2 * 10 + 1 * 31) / (4 * 10 + 2 * 31))
+    assert x["door_wait"] == pytest.approx(2.0)  # (0 + 4) / 2
     assert x["queued_s"] == pytest.approx(4.0)
     assert x["free_q"] == pytest.approx((1 * 1.0 + 3 * (33 / 99)) / 4)
     assert x["running_q"] == pytest.approx((1 * 0 + 3 * 2) / 4)
