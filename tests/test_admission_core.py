@@ -327,3 +327,7 @@ def test_the_placement_view_is_the_snapshot_s_placement_fields():
             assert t.load_with(view) == t.load_with(snap)
         assert views[-1][0]["inflight"] == 1 and views[-1][0]["signals"]["used_blocks"] == 300
         assert (views[-1][0]["budget"] is not None) == admission
+        # the KV snapshot gone stale: neither view reports blocks in use
+        late = 1.0 + c.balance.state.config.kv_stale_s + 1.0
+        assert c.load_view(late)["signals"]["used_blocks"] is None
+        assert c.snapshot(late)["signals"]["used_blocks"] is None

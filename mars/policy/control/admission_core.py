@@ -387,7 +387,7 @@ class AdmissionCore:
         return {"budget": d.budget if d else None,
                 "projected_blocks": self.balance.projected_blocks(now),
                 "inflight": self.inflight,
-                "signals": {"used_blocks": self.balance.state.signals(now).used_blocks}}
+                "signals": {"used_blocks": self.balance.state.used_blocks(now)}}
 
     def sessions_view(self, now: float) -> list[dict[str, Any]]:
         quiet = set(self.balance.quiet_sessions(now))

@@ -517,14 +517,26 @@ class DualPressureState:
         return None if e is None else e.value
 
     # ------------------------------------------------------------------ snapshot
+    def _fresh_kv(self, now: float) -> dict[str, int] | None:
+        """The engine's latest KV snapshot, None once it is older than ``kv_stale_s``."""
+        kv, stale = self._kv, self.config.kv_stale_s
+        if kv is not None and stale is not None and self._kv_ts is not None \
+                and now - self._kv_ts > stale:
+            return None
+        return kv
+
+    def used_blocks(self, now: float) -> int | None:
+        """:meth:`signals`' ``used_blocks`` alone. Placement reads it of every engine at
+        each new session; the whole snapshot would also sum the other engines' tool demand
+        (:class:`NodeTools`), making each placement quadratic in the engines."""
+        kv = self._fresh_kv(now)
+        return kv["used_blocks"] if self._kv_util(kv) is not None else None
+
     def signals(self, now: float) -> PressureSignals:
         """A consistent snapshot of every signal at ``now`` (prunes expired windows)."""
         c = self.config
         self._prune(now)
-        kv = self._kv
-        if kv is not None and c.kv_stale_s is not None and self._kv_ts is not None \
-                and now - self._kv_ts > c.kv_stale_s:
-            kv = None
+        kv = self._fresh_kv(now)
         util = self._kv_util(kv)
         known = util is not None
         eff_free = None
