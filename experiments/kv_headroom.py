@@ -1,24 +1,28 @@
-"""How much room a second KV place could give MARS at one point: the same GPU with k times
-its KV pool (issue #35).
+"""What room alone gives MARS at one point: the same GPU with k times its KV pool (issue
+#35).
 
 Host memory under the engine lets a paused session's context leave GPU memory and come back
-over the link, so MARS can admit as if the pool were larger. No host tier can do more than
-a larger pool with free transfers. This runs MARS (no offloading) on the same trace with the
-pool multiplied by k (vLLM's ``--num-gpu-blocks-override``; the step-time model is
-unchanged, so it is the same GPU with more blocks). Where even k = 10 is not 1.3x faster,
-no third place can be. It is not a bound in the other direction: more memory lets more
-sessions in, and a larger batch decodes slower, so a larger pool can be slower.
+over the link, so MARS can admit as if the pool were larger. This runs MARS (no offloading)
+on the same trace with the pool multiplied by k (vLLM's ``--num-gpu-blocks-override``; the
+step-time model is unchanged, so it is the same GPU with more blocks): what more room, with
+nothing to move, does for MARS's door as it is. It is not a bound on a host tier: the gain is
+not monotone in the room (more memory lets more sessions in, and a larger batch decodes
+slower, so a larger pool can be slower), and a host tier admits differently from a larger
+pool (it charges each context its resident share), so it can beat every k measured.
 
 It also reads from the x1 run why the door holds sessions there:
 
 * **engine share**: the share of the admitted sessions' time with a call in the engine,
-  plain and weighted by each context's blocks (as the admission's share charge counts it).
-  Only the rest is time a host tier can take a context out of GPU memory. Weighted by
-  blocks, it is the share of the admitted contexts' KV that must stay resident.
+  plain and weighted by each context's blocks. Only the rest is time a host tier can take a
+  context out of GPU memory; weighted by blocks, it estimates the share of the admitted
+  contexts' KV that must stay resident. The admission measures its own share alike but not
+  the same: it weights by each session's projected blocks and stops counting a pause past
+  the longest recent gap between rounds; this counts every admitted second, at the
+  session's first-prompt estimate until its first call and its largest prompt after.
 * **door wait**: the mean wait of a session before admission.
 * **KV while queued**: free blocks, the engine's running calls and the window's free slots,
-  time-weighted over the time some session waits at the door. Free blocks there are KV that
-  the admission keeps for the admitted sessions' projected growth.
+  time-weighted over the time some session waits at the door (as the window's
+  ``window_update`` records show it: they change at control steps).
 
     .venv/bin/python experiments/kv_headroom.py ILR-3 --rate 0.22 --num-tasks 50 --seed 3 \\
         --out runs/headroom/ILR-3-0.22-s3
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -69,16 +74,18 @@ def pool_blocks(run: Path) -> int:
 
 
 class _Shares:
-    """Each admitted session's time with a call in the engine (``gpu_submit`` to
-    ``gpu_end``) against its time admitted (``session_admit`` to ``session_end``), plain and
-    weighted by its context's blocks (its largest prompt so far), as the admission's engine
-    share counts it (:class:`mars.policy.control.residency.EngineShare`)."""
+    """Each admitted session's time with a call in the engine (a ``gpu_submit`` to its
+    ``gpu_end``, by request id) against its time admitted (``session_admit`` to
+    ``session_end``, or the log's last event), plain and weighted by its context's blocks:
+    its first-prompt estimate (``session_admit``'s ``est_blocks``) until a call reaches the
+    engine, then its largest prompt so far."""
 
     def __init__(self) -> None:
         self.block_size = 16
         self._since: dict[str, float] = {}  # admitted sessions: their last account
         self._blocks: dict[str, int] = {}
-        self._calls: dict[str, int] = {}
+        self._calls: dict[str, set[str]] = {}
+        self._submitted: set[str] = set()  # sessions with a call in the engine yet
         self.busy = self.life = self.busy_bs = self.life_bs = 0.0
 
     def _account(self, sid: str, t: float) -> None:
@@ -86,7 +93,7 @@ class _Shares:
             dt, b = t - self._since[sid], self._blocks.get(sid, 0)
             self.life += dt
             self.life_bs += b * dt
-            if self._calls.get(sid, 0) > 0:
+            if self._calls.get(sid):
                 self.busy += dt
                 self.busy_bs += b * dt
             self._since[sid] = t
@@ -99,16 +106,27 @@ class _Shares:
             return
         if kind == "session_admit":
             self._since[sid] = t
+            self._blocks[sid] = int(ev.get("est_blocks") or 0)
         elif kind in ("gpu_submit", "gpu_end", "session_end"):
             self._account(sid, t)
+            calls = self._calls.setdefault(sid, set())
+            rid = str(ev.get("request_id"))
             if kind == "gpu_submit":
-                self._calls[sid] = self._calls.get(sid, 0) + 1
                 blocks = -(-int(ev.get("prompt_tokens") or 0) // self.block_size)
-                self._blocks[sid] = max(self._blocks.get(sid, 0), blocks)
+                # the first call replaces the estimate; later ones can only grow the context
+                self._blocks[sid] = max(self._blocks.get(sid, 0), blocks) \
+                    if sid in self._submitted else blocks
+                self._submitted.add(sid)
+                calls.add(rid)
             elif kind == "gpu_end":
-                self._calls[sid] = max(0, self._calls.get(sid, 0) - 1)
+                calls.discard(rid)
             else:
                 self._since.pop(sid, None)
+
+    def end(self, t: float) -> None:
+        """The log ended at ``t``: sessions still admitted count up to it."""
+        for sid in list(self._since):
+            self._account(sid, t)
 
     def shares(self) -> tuple[float, float]:
         nan = float("nan")
@@ -143,6 +161,8 @@ def read(run: Path) -> dict:
                 queued, budget, admitted = ev["queued"], ev["budget"], ev["admitted"]
             elif kind == "session_admit":
                 waits[ev["session_id"]] = ev["queued_s"]
+    if last is not None:
+        shares.end(last)
     q = acc["t"]
     plain, weighted = shares.shares()
     return {"mean": s["latency_s"]["mean"], "p90": s["latency_s"]["p90"],
@@ -173,15 +193,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a regime (with --rate) or --trace FILE, not both")
     if args.regime is not None and args.rate is None:
         ap.error("a regime needs --rate")
+    if args.trace is not None and args.rate is not None:
+        ap.error("--rate goes with a regime; a trace has its own arrivals")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        ap.error("--rate must be a number > 0")
+    if args.num_tasks < 1 or args.jobs < 1:
+        ap.error("--num-tasks and --jobs must be >= 1")
     try:
         mults = [float(m) for m in args.multipliers.split(",") if m]
     except ValueError:
         ap.error(f"--multipliers: numbers separated by commas, not {args.multipliers!r}")
-    if any(m <= 0 for m in mults):
-        ap.error("--multipliers must be > 0")
+    if not mults or any(not (math.isfinite(m) and 0 < m <= 1000) for m in mults):
+        ap.error("--multipliers must be numbers in (0, 1000]")
     out = Path(args.out)
     base = _sim(args, out / "x1", None)  # first: its pool sizes the others
     pool = pool_blocks(base)
+    small = [m for m in mults if round(pool * m) < 2]
+    if small:
+        ap.error(f"--multipliers {small}: a pool of {pool} blocks times that is under 2 blocks")
     with ThreadPoolExecutor(args.jobs) as ex:
         runs = dict(zip(mults, ex.map(
             lambda m: _sim(args, out / f"x{m:g}", int(round(pool * m))), mults)))

@@ -331,3 +331,9 @@ def test_the_placement_view_is_the_snapshot_s_placement_fields():
         late = 1.0 + c.balance.state.config.kv_stale_s + 1.0
         assert c.load_view(late)["signals"]["used_blocks"] is None
         assert c.snapshot(late)["signals"]["used_blocks"] is None
+        # a snapshot of no pool: utilisation unknown, so no blocks in use either
+        c.observe(make_event("kv_snapshot", ts=late, total_blocks=0, free_blocks=0,
+                             used_blocks=5, running=0, waiting=0), late)
+        assert c.balance.state.signals(late).engine_running == 0  # (fresh, not stale)
+        assert c.load_view(late)["signals"]["used_blocks"] is None
+        assert c.snapshot(late)["signals"]["used_blocks"] is None
