@@ -84,8 +84,8 @@ class _Shares:
         self.block_size = 16
         self._since: dict[str, float] = {}  # admitted sessions: their last account
         self._blocks: dict[str, int] = {}
+        #: sessions that have sent a call to the engine: the request ids still in it
         self._calls: dict[str, set[str]] = {}
-        self._submitted: set[str] = set()  # sessions with a call in the engine yet
         self.busy = self.life = self.busy_bs = self.life_bs = 0.0
 
     def _account(self, sid: str, t: float) -> None:
@@ -107,21 +107,22 @@ class _Shares:
         if kind == "session_admit":
             self._since[sid] = t
             self._blocks[sid] = int(ev.get("est_blocks") or 0)
-        elif kind in ("gpu_submit", "gpu_end", "session_end"):
-            self._account(sid, t)
-            calls = self._calls.setdefault(sid, set())
-            rid = str(ev.get("request_id"))
-            if kind == "gpu_submit":
-                blocks = -(-int(ev.get("prompt_tokens") or 0) // self.block_size)
-                # the first call replaces the estimate; later ones can only grow the context
-                self._blocks[sid] = max(self._blocks.get(sid, 0), blocks) \
-                    if sid in self._submitted else blocks
-                self._submitted.add(sid)
-                calls.add(rid)
-            elif kind == "gpu_end":
-                calls.discard(rid)
-            else:
-                self._since.pop(sid, None)
+            return
+        if kind not in ("gpu_submit", "gpu_end", "session_end"):
+            return
+        self._account(sid, t)
+        rid = str(ev.get("request_id"))
+        if kind == "gpu_submit":
+            blocks = -(-int(ev.get("prompt_tokens") or 0) // self.block_size)
+            # the first call replaces the estimate; later ones can only grow the context
+            if sid in self._calls:
+                blocks = max(self._blocks.get(sid, 0), blocks)
+            self._blocks[sid] = blocks
+            self._calls.setdefault(sid, set()).add(rid)
+        elif kind == "gpu_end":
+            self._calls.get(sid, set()).discard(rid)
+        else:
+            self._since.pop(sid, None)
 
     def end(self, t: float) -> None:
         """The log ended at ``t``: sessions still admitted count up to it."""
